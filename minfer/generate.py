@@ -1,0 +1,126 @@
+"""The simple generation loop of chapters 00-02: static batches over a contiguous KV cache.
+
+A batch is prefilled together (prompts left-padded to the same length), then decoded one token
+per step until every row is done. Rows that finish early keep riding along, computing tokens
+nobody reads: that waste is what continuous batching removes later in the course.
+`use_cache=False` keeps the recompute-everything path for the KV-cache lesson.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+
+from minfer.kv_cache import KVCache
+from minfer.layers.attention import causal_mask
+from minfer.layers.sampler import sample_next_tokens
+from minfer.models.llama import LlamaModel
+from minfer.outputs import CompletionOutput, RequestMetrics
+from minfer.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)  # compared by identity
+class Sequence:
+    """One completion being generated: a prompt, its settings, and the tokens so far."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # params.max_tokens, capped by the context window
+    generator: torch.Generator
+    metrics: RequestMetrics
+    index: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[object] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token: int, tokenizer, eos_ids: set[int]) -> None:
+        """Add a token, update the text, and decide whether the sequence is done."""
+        now = time.perf_counter()
+        if not self.output_ids:
+            self.metrics.first_token_time = now
+        self.output_ids.append(token)
+        self.metrics.num_output_tokens = len(self.output_ids)
+        p = self.params
+        self.text = tokenizer.decode(self.output_ids, skip_special_tokens=p.skip_special_tokens)
+        if not p.ignore_eos and token in eos_ids:
+            self.finish_reason = "stop"
+        elif p.stop_token_ids and token in p.stop_token_ids:
+            self.finish_reason, self.stop_reason = "stop", token
+        elif self._truncate_at_stop_string():
+            self.finish_reason = "stop"
+        elif len(self.output_ids) >= self.max_tokens:
+            self.finish_reason = "length"
+        if self.finished:
+            self.metrics.finished_time = now
+
+    def _truncate_at_stop_string(self) -> bool:
+        hits = [(self.text.find(s), s) for s in self.params.stop_strings if s in self.text]
+        if not hits:
+            return False
+        position, stop = min(hits)
+        end = position + len(stop) if self.params.include_stop_str_in_output else position
+        self.text, self.stop_reason = self.text[:end], stop
+        return True
+
+    def to_output(self) -> CompletionOutput:
+        return CompletionOutput(self.index, self.text, list(self.output_ids), self.finish_reason, self.stop_reason)
+
+
+def padded_batch(seqs: list[Sequence], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-pad the prompts: returns input ids, positions and a key-validity mask, all [batch, longest]."""
+    longest = max(len(s.prompt_token_ids) for s in seqs)
+    ids = torch.zeros(len(seqs), longest, dtype=torch.long)
+    valid = torch.zeros(len(seqs), longest, dtype=torch.bool)
+    for row, s in enumerate(seqs):
+        n = len(s.prompt_token_ids)
+        ids[row, longest - n:] = torch.tensor(s.prompt_token_ids)
+        valid[row, longest - n:] = True
+    positions = (valid.cumsum(1) - 1).clamp(min=0)  # every prompt starts at position 0
+    return ids.to(device), positions.to(device), valid.to(device)
+
+
+def attention_mask(valid: torch.Tensor, q_len: int) -> Optional[torch.Tensor]:
+    """[batch, 1, q_len, kv_len] mask: causal, and no query looks at padding. None when nothing is padded."""
+    if bool(valid.all()):
+        return None
+    kv_len = valid.shape[1]
+    mask = causal_mask(q_len, kv_len, valid.device)[None] & valid[:, None, :]
+    # a padding query would see nothing at all (softmax over nothing is NaN): let it see itself
+    rows = torch.arange(q_len, device=valid.device)
+    mask[:, rows, rows + kv_len - q_len] = True
+    return mask[:, None]
+
+
+def generate_static_batch(model: LlamaModel, tokenizer, seqs: list[Sequence], eos_ids: set[int],
+                          use_cache: bool = True) -> Iterator[list[Sequence]]:
+    """Generate every sequence of one static batch, yielding the batch after each step."""
+    device = model.embed_tokens.weight.device
+    ids, positions, valid = padded_batch(seqs, device)
+    steps = max(s.max_tokens for s in seqs)
+    cache = KVCache(model.config, len(seqs), ids.shape[1] + steps, model.embed_tokens.weight.dtype, device) if use_cache else None
+    logits = model(ids, positions, cache, attention_mask(valid, ids.shape[1]))
+    all_ids = ids
+    for _ in range(steps):
+        tokens = sample_next_tokens(logits[:, -1], [s.params for s in seqs], [s.generator for s in seqs])
+        for s, token in zip(seqs, tokens):
+            if not s.finished:
+                s.append(token, tokenizer, eos_ids)
+        yield seqs
+        if all(s.finished for s in seqs):
+            return
+        new_ids = torch.tensor(tokens, device=device)[:, None]
+        positions = positions[:, -1:] + 1
+        valid = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=1)
+        if use_cache:  # feed only the new token; K/V of the rest come from the cache
+            logits = model(new_ids, positions, cache, attention_mask(valid, 1))
+        else:  # feed everything again: the O(n^2) way
+            all_ids = torch.cat([all_ids, new_ids], dim=1)
+            all_positions = (valid.cumsum(1) - 1).clamp(min=0)
+            logits = model(all_ids, all_positions, None, attention_mask(valid, all_ids.shape[1]))

@@ -1,0 +1,45 @@
+"""From logits to the next token: greedy, temperature, top-k, top-p, min-p, per-request seeds."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from minfer.sampling_params import SamplingParams
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """Scale one row of logits [vocab] by temperature and set the tokens we may not pick to -inf."""
+    logits = logits / temperature
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth_value = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth_value, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the tokens ranked above it already cover top_p (the top one always stays)
+        drop_sorted = probs.cumsum(-1) - probs >= top_p
+        logits = logits.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
+    if min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def sample_next_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
+                       generators: Sequence[Optional[torch.Generator]]) -> list[int]:
+    """logits [batch, vocab] float32 -> one token id per row, each row with its own settings.
+
+    Each row draws from its own generator, so a seeded request gets the same tokens whatever
+    else shares the batch.
+    """
+    greedy = logits.argmax(dim=-1).tolist()
+    tokens = []
+    for row, (p, gen) in enumerate(zip(params, generators)):
+        if p.greedy:
+            tokens.append(greedy[row])
+            continue
+        filtered = filter_logits(logits[row], p.temperature, p.top_k, p.top_p, p.min_p)
+        probs = torch.softmax(filtered, dim=-1)
+        tokens.append(int(torch.multinomial(probs.cpu(), 1, generator=gen)))
+    return tokens

