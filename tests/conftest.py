@@ -1,0 +1,32 @@
+import os
+
+import pytest
+import torch
+
+from minfer import LLM
+from minfer.models.loader import load_model, save_hf_checkpoint
+
+
+@pytest.fixture(scope="session")
+def llm() -> LLM:
+    """The real SmolLM2-135M in float32 on CPU, loaded once for the whole session."""
+    return LLM("smollm2-135m", dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def hf_reference_dir(tmp_path_factory) -> str:
+    """The dequantized SmolLM2 weights saved as a plain Hugging Face checkpoint, for transformers."""
+    folder = str(tmp_path_factory.mktemp("smollm2_hf"))
+    save_hf_checkpoint(load_model("smollm2-135m", torch.float32), folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def hf_reference_model(hf_reference_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(hf_reference_dir, dtype=torch.float32).eval()
+
+
+def pytest_configure(config):
+    torch.set_num_threads(max(1, min(os.cpu_count() or 1, 4)))
