@@ -1,0 +1,77 @@
+"""Bad input gets a ValueError that names what was wrong and what is allowed, and breaks nothing."""
+import pytest
+
+from minfer import LLM, SamplingParams
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
+    (dict(max_tokens=-3), "max_tokens must be an integer >= 1"),
+    (dict(temperature=-0.1), "temperature must be a number >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=-2), "top_k must be an integer >= 1, or 0 / -1"),
+    (dict(top_k=2.5), "top_k must be an integer"),
+    (dict(n=0), "n must be an integer >= 1"),
+    (dict(stop=[""]), "stop must be a non-empty string"),
+    (dict(seed="abc"), "seed must be an integer"),
+    (dict(min_p=2), r"min_p must be in \[0, 1\]"),
+])
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_empty_prompt_rejected_and_engine_still_works(llm):
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        llm.generate(["Hello", ""], SamplingParams(max_tokens=2), use_tqdm=False)
+    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_prompt_longer_than_context_window(llm):
+    too_long = {"prompt_token_ids": [42] * llm.max_model_len}
+    with pytest.raises(ValueError, match=f"prompt 0 has {llm.max_model_len} tokens; the context window is"):
+        llm.generate([too_long], use_tqdm=False)
+
+
+def test_non_string_prompt(llm):
+    with pytest.raises(ValueError, match="prompt 1 must be a string or .*got int"):
+        llm.generate(["fine", 123], use_tqdm=False)
+    with pytest.raises(ValueError, match="prompts must be"):
+        llm.generate([], use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_token_ids must be a non-empty list of ints"):
+        llm.generate({"prompt_token_ids": [1, 10**9]}, use_tqdm=False)
+
+
+def test_mismatched_sampling_params(llm):
+    with pytest.raises(ValueError, match="got 2 sampling_params for 3 prompts"):
+        llm.generate(["a", "b", "c"], [SamplingParams(), SamplingParams()], use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params 0 must be a SamplingParams"):
+        llm.generate("a", {"temperature": 0}, use_tqdm=False)
+
+
+def test_bad_chat_messages(llm):
+    with pytest.raises(ValueError, match="each message must be"):
+        llm.chat([{"role": "user"}], use_tqdm=False)
+
+
+def test_bad_engine_arguments():
+    with pytest.raises(ValueError, match="unknown dtype 'float8'.*'bfloat16'"):
+        LLM("smollm2-135m", dtype="float8")
+    with pytest.raises(ValueError, match="unknown model"):
+        LLM("gpt-17")
+    with pytest.raises(ValueError, match="max_num_seqs must be an integer >= 1"):
+        LLM("smollm2-135m", max_num_seqs=0)
+    with pytest.raises(ValueError, match="unknown device"):
+        LLM("smollm2-135m", device="toaster")
+
+
+def test_max_model_len_bounds_generation():
+    small = LLM("smollm2-135m", dtype="float32", device="cpu", max_model_len=12)
+    out = small.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+                         use_tqdm=False)[0]
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 12
+    assert out.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match=r"max_model_len must be an integer in \[1, 8192\]"):
+        LLM("smollm2-135m", max_model_len=10**6)

@@ -1,0 +1,118 @@
+"""Generation behaviour: batching, cache, seeds, stop conditions, streaming, chat."""
+import torch
+
+from minfer import SamplingParams
+
+PROMPTS = ["The capital of France is", "Write a haiku about autumn leaves.", "1, 2, 3, 4,", "def add(a, b):"]
+
+
+def token_ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_batched_equals_solo(llm):
+    params = SamplingParams(temperature=0, max_tokens=24)
+    batched = llm.generate(PROMPTS, params, use_tqdm=False)
+    solo = [llm.generate(p, params, use_tqdm=False)[0] for p in PROMPTS]
+    assert token_ids(batched) == token_ids(solo)
+
+
+def test_cache_and_no_cache_agree(llm):
+    params = SamplingParams(temperature=0, max_tokens=16)
+    assert token_ids(llm.generate(PROMPTS[:2], params, use_tqdm=False)) == \
+        token_ids(llm.generate(PROMPTS[:2], params, use_tqdm=False, use_cache=False))
+
+
+def test_seed_gives_the_same_sample_whatever_the_batch(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=20)
+    alone = llm.generate(PROMPTS[1], seeded, use_tqdm=False)[0]
+    others = [SamplingParams(temperature=1.0, max_tokens=5), seeded, SamplingParams(temperature=0.7, seed=7, max_tokens=30)]
+    in_batch = llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], others, use_tqdm=False)[1]
+    assert in_batch.outputs[0].token_ids == alone.outputs[0].token_ids
+    different_seed = llm.generate(PROMPTS[1], SamplingParams(temperature=1.0, top_p=0.95, seed=99, max_tokens=20), use_tqdm=False)[0]
+    assert different_seed.outputs[0].token_ids != alone.outputs[0].token_ids
+
+
+def test_n_completions_differ_and_are_reproducible(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12)
+    first = llm.generate(PROMPTS[1], params, use_tqdm=False)[0]
+    again = llm.generate(PROMPTS[1], params, use_tqdm=False)[0]
+    assert [c.index for c in first.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in first.outputs}) > 1
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+
+
+def test_max_tokens_and_length_finish(llm):
+    out = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 7 and out.outputs[0].finish_reason == "length"
+    assert out.metrics.num_output_tokens == 7 and out.metrics.ttft > 0 and out.metrics.tpot > 0
+
+
+def test_stops_on_eos_unless_ignored(llm):
+    chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                    SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)[0].outputs[0]
+    assert chat.finish_reason == "stop" and chat.token_ids[-1] == llm.tokenizer.eos_token_id
+    assert "Paris" in chat.text and "<|im_end|>" not in chat.text
+    prompt = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    forced = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=len(chat.token_ids) + 5, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    assert forced.finish_reason == "length" and len(forced.token_ids) == len(chat.token_ids) + 5
+
+
+def test_stop_string_truncates_text(llm):
+    full = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0].text
+    assert "7" in full
+    out = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=20, stop=["7"]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == "7"
+    assert out.text == full[:full.index("7")]
+    kept = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=20, stop="7", include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == full[:full.index("7") + 1]
+
+
+def test_stop_token_ids(llm):
+    full = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0].outputs[0]
+    stopper = full.token_ids[3]
+    out = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stopper]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == full.token_ids[:full.token_ids.index(stopper) + 1] and out.stop_reason == stopper
+
+
+def test_stream_yields_growing_text_that_ends_like_generate(llm):
+    params = SamplingParams(temperature=0, max_tokens=15)
+    chunks = list(llm.stream(PROMPTS[0], params))
+    assert len(chunks) == 15 or chunks[-1].finished
+    texts = [c.outputs[0].text for c in chunks]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert chunks[-1].outputs[0].token_ids == llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert [c.finished for c in chunks].count(True) == 1
+
+
+def test_token_id_prompts_and_request_fields(llm):
+    ids = llm.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    by_ids = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    by_text = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    assert by_ids.prompt_token_ids == by_text.prompt_token_ids == ids
+    assert by_text.prompt == PROMPTS[0] and by_ids.outputs[0].token_ids == by_text.outputs[0].token_ids
+    assert by_text.finished and by_text.outputs[0].text == llm.tokenizer.decode(by_text.outputs[0].token_ids)
+
+
+def test_small_batches_give_the_same_result(llm):
+    params = SamplingParams(temperature=0, max_tokens=10)
+    big = llm.generate(PROMPTS, params, use_tqdm=False)
+    llm.max_num_seqs = 2
+    try:
+        small = llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        llm.max_num_seqs = 32
+    assert token_ids(big) == token_ids(small)
+
+
+def test_bfloat16_model_generates_sensible_text():
+    from minfer import LLM
+
+    llm16 = LLM("smollm2-135m", dtype="bfloat16", device="cpu")
+    assert llm16.model.embed_tokens.weight.dtype == torch.bfloat16
+    out = llm16.chat([{"role": "user", "content": "What is the capital of France?"}],
+                     SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
