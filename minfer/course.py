@@ -1,0 +1,111 @@
+"""Course machinery: load the learner's code (or the worked solutions) and check it.
+
+In a notebook:
+
+    from minfer.course import load_impl, check
+    impl = load_impl("ch01")          # exercises/ch01_model.py, or solutions/ with MINFER_IMPL=solutions
+    ...
+    check("ch01")                     # runs tests/exercises/test_ch01_*.py against the same choice
+
+The tests run in a fresh Python process, so an edit to exercises/ is picked up without a
+kernel restart, and a crash in the learner's code cannot take the notebook down with it.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Optional
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+IMPLS = ("exercises", "solutions")
+
+
+def _resolve_impl(impl: Optional[str]) -> str:
+    impl = impl or os.environ.get("MINFER_IMPL") or "exercises"
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return impl
+
+
+def chapter_module_name(chapter: str) -> str:
+    """'ch01' -> 'ch01_model': the one file in exercises/ whose name starts with the chapter id."""
+    matches = sorted(p.stem for p in (REPO_ROOT / "exercises").glob(f"{chapter}_*.py"))
+    if len(matches) != 1:
+        raise ValueError(f"no single exercise file for chapter {chapter!r} in exercises/ (found {matches})")
+    return matches[0]
+
+
+def load_impl(chapter: str, impl: Optional[str] = None) -> ModuleType:
+    """The chapter's module from exercises/ (yours) or solutions/ (worked); impl defaults to $MINFER_IMPL.
+
+    The module is reloaded on every call, so re-running the cell picks up your latest edit.
+    """
+    if str(REPO_ROOT) not in sys.path:  # notebooks run from notebooks/, where exercises/ is not importable
+        sys.path.insert(0, str(REPO_ROOT))
+    module = importlib.import_module(f"{_resolve_impl(impl)}.{chapter_module_name(chapter)}")
+    return importlib.reload(module)
+
+
+@dataclass
+class TestResult:
+    name: str
+    outcome: str  # "passed" | "failed" | "error" | "skipped"
+    message: str = ""
+
+
+def run_tests(paths: list[str], impl: str, timeout: float = 600) -> list[TestResult]:
+    """Run pytest on `paths` (relative to the repo root) with `--impl`, one result per test."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "report.xml")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths,
+               f"--impl={impl}", f"--junitxml={report}"]
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+        if not os.path.exists(report):  # pytest stopped before running anything (a usage error)
+            raise RuntimeError(f"pytest did not run:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+        return _parse_junit(report)
+
+
+def _parse_junit(path: str) -> list[TestResult]:
+    results = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome, message = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = {"failure": "failed"}.get(child.tag, child.tag)
+                message = (child.get("message") or child.text or "").strip()
+        results.append(TestResult(case.get("name", "?"), outcome, message))
+    return results
+
+
+def check(chapter: str, impl: Optional[str] = None) -> bool:
+    """Run the chapter's tests against your code (or the solutions) and print what passed."""
+    impl = _resolve_impl(impl)
+    paths = sorted(str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "tests" / "exercises").glob(f"test_{chapter}_*.py"))
+    if not paths:
+        raise ValueError(f"no tests for chapter {chapter!r} in tests/exercises/")
+    results = run_tests(paths, impl)
+    passed = sum(r.outcome == "passed" for r in results)
+    print(f"{chapter} ({impl}): {passed}/{len(results)} tests passed")
+    for r in results:
+        mark = "ok  " if r.outcome == "passed" else r.outcome.upper()
+        first_line = r.message.splitlines()[0][:100] if r.message else ""
+        print(f"  {mark:<7} {r.name}" + (f"  ({first_line})" if first_line else ""))
+    return bool(results) and passed == len(results)
+
+
+def best_time(fn, repeats: int = 3) -> float:
+    """Fastest of `repeats` wall-clock runs of fn(), in seconds: the least disturbed by other work."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)

@@ -1,0 +1,64 @@
+"""Chapter 00, worked: measure a generation before trying to speed it up.
+
+A request has two phases with different bottlenecks. Prefill reads the whole prompt in one
+pass (the user waits for it: TTFT). Decode then makes one token per pass, and each pass must
+stream every weight from memory to the compute units (TPOT). For one request the decode
+phase is limited by memory bandwidth, so the honest score for it is the share of the
+hardware's bandwidth it uses.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from minfer import LLM, SamplingParams
+
+
+def token_timestamps(llm: LLM, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
+    """Generate `max_tokens` greedy tokens (ignoring end-of-sequence) with `llm.stream`.
+
+    Returns (arrival, token_times): time.perf_counter() just before the request is made, and
+    the time at which each token reached us, one entry per token.
+    """
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    arrival = time.perf_counter()
+    token_times = []
+    for _ in llm.stream(prompt, params):  # stream yields once per new token
+        token_times.append(time.perf_counter())
+    return arrival, token_times
+
+
+def ttft(arrival: float, token_times: Sequence[float]) -> float:
+    """Time to first token, in seconds: from the request's arrival to its first token."""
+    return token_times[0] - arrival
+
+
+def tpot(token_times: Sequence[float]) -> float:
+    """Time per output token, in seconds: the mean gap between tokens after the first.
+
+    The first token is left out: its wait is prefill, which TTFT already counts.
+    Needs at least two tokens.
+    """
+    if len(token_times) < 2:
+        raise ValueError("TPOT needs at least two tokens")
+    return (token_times[-1] - token_times[0]) / (len(token_times) - 1)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters, counting a tensor shared by two names (tied weights) once."""
+    size_by_storage: dict[int, int] = {}
+    # SmolLM2 uses one matrix as both the token embedding and the output head: same memory, read once
+    for _, param in model.named_parameters(remove_duplicate=False):
+        size_by_storage[param.data_ptr()] = param.numel() * param.element_size()
+    return sum(size_by_storage.values())
+
+
+def bandwidth_utilization(model_bytes: int, tokens_per_second: float, bandwidth_bytes_per_s: float) -> float:
+    """Model bandwidth utilisation (MBU): the fraction of memory bandwidth the decode phase uses.
+
+    Each decode step of one sequence reads every weight once, so it moves
+    model_bytes x tokens_per_second bytes a second. 1.0 would be the hardware's limit.
+    """
+    return model_bytes * tokens_per_second / bandwidth_bytes_per_s

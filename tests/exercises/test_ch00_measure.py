@@ -1,0 +1,69 @@
+"""Chapter 00: TTFT / TPOT from timestamps, weight bytes, bandwidth utilisation."""
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from minfer.outputs import RequestMetrics
+
+
+def random_timeline(n_tokens: int, seed: int) -> tuple[float, list[float]]:
+    rng = random.Random(seed)
+    arrival = rng.uniform(0, 100)
+    t = arrival + rng.uniform(0.05, 2.0)  # prefill
+    times = [t]
+    for _ in range(n_tokens - 1):
+        t += rng.uniform(0.001, 0.2)
+        times.append(t)
+    return arrival, times
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_ttft_and_tpot_match_engine_metrics(impl, seed):
+    arrival, times = random_timeline(n_tokens=7 + seed, seed=seed)
+    engine = RequestMetrics(arrival, first_token_time=times[0], finished_time=times[-1], num_output_tokens=len(times))
+    assert impl.ttft(arrival, times) == pytest.approx(engine.ttft)
+    assert impl.tpot(times) == pytest.approx(engine.tpot)
+
+
+def test_tpot_ignores_the_prefill_wait(impl):
+    # the same decode gaps after a long or a short prefill give the same TPOT
+    arrival, times = random_timeline(6, seed=11)
+    later = [t + 5.0 for t in times]
+    assert impl.tpot(later) == pytest.approx(impl.tpot(times))
+    assert impl.ttft(arrival, later) == pytest.approx(impl.ttft(arrival, times) + 5.0)
+
+
+def test_token_timestamps_from_the_real_engine(impl, llm):
+    arrival, times = impl.token_timestamps(llm, "The capital of France is", max_tokens=4)
+    assert len(times) == 4  # end-of-sequence must not cut it short
+    assert arrival < times[0] and all(a < b for a, b in zip(times, times[1:]))
+
+
+def test_weight_bytes_of_the_real_model(impl, llm):
+    model = llm.model
+    expected = sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() skips shared tensors
+    assert impl.weight_bytes(model) == expected
+    assert 100e6 * 4 < impl.weight_bytes(model) < 150e6 * 4  # ~135 M float32 parameters
+
+
+def test_weight_bytes_counts_tied_weights_once(impl):
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight
+
+    model = Tied()
+    assert impl.weight_bytes(model) == 10 * 4 * 4
+    assert impl.weight_bytes(model.to(torch.bfloat16)) == 10 * 4 * 2
+
+
+def test_bandwidth_utilization(impl):
+    # 1 GB of weights at 100 tokens/s moves 100 GB/s: half of a 200 GB/s memory
+    assert impl.bandwidth_utilization(1e9, 100.0, 200e9) == pytest.approx(0.5)
+    base = impl.bandwidth_utilization(270e6, 30.0, 50e9)
+    assert impl.bandwidth_utilization(270e6, 60.0, 50e9) == pytest.approx(2 * base)
+    assert impl.bandwidth_utilization(270e6, 30.0, 100e9) == pytest.approx(base / 2)
