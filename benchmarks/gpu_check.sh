@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The generation benchmark on a CUDA machine that has no model file and no package index.
+#
+#   benchmarks/gpu_check.sh OUT_DIR            # writes OUT_DIR/{env.txt,bench_generate.json,bench_generate.md,bench_generate.log}
+#
+# Needs python with torch (CUDA build) and transformers; minfer is used from this checkout (no install).
+# The real SmolLM2 weights do not travel, so it benchmarks random weights of the same shapes, saved as a
+# Hugging Face checkpoint with a stand-in tokenizer; the prompts are token ids. Speed depends on the
+# shapes only, so the numbers compare with the real model's. Under 5 minutes.
+# Overrides (used by the CPU test of this script): PYTHON, DEVICE (cuda), SHAPES (smollm2-135m),
+# BENCH_ARGS (extra arguments for `python -m minfer bench`), TIME_LIMIT (seconds, 270).
+set -euo pipefail
+
+OUT=${1:?usage: benchmarks/gpu_check.sh OUT_DIR}
+PYTHON=${PYTHON:-python}
+DEVICE=${DEVICE:-cuda}
+SHAPES=${SHAPES:-smollm2-135m}
+TIME_LIMIT=${TIME_LIMIT:-270}
+read -r -a EXTRA <<< "${BENCH_ARGS:-}"
+
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+
+"$PYTHON" - "$DEVICE" > "$OUT/env.txt" 2>&1 <<'PY' || { cat "$OUT/env.txt" >&2; echo "gpu_check: environment check failed" >&2; exit 1; }
+import platform, sys
+import torch
+import transformers
+device = sys.argv[1]
+print("python", platform.python_version(), "| torch", torch.__version__, "| transformers", transformers.__version__)
+try:
+    import triton
+    print("triton", triton.__version__)
+except ImportError:
+    print("triton: not installed")
+print("cuda available:", torch.cuda.is_available(), "| torch.version.cuda:", torch.version.cuda)
+if device.startswith("cuda"):
+    if not torch.cuda.is_available():
+        sys.exit("DEVICE=cuda but torch sees no GPU")
+    p = torch.cuda.get_device_properties(0)
+    print("gpu:", p.name, f"| {p.total_memory / 2**30:.0f} GiB | {p.multi_processor_count} SMs")
+    print("tf32 matmul:", torch.backends.cuda.matmul.allow_tf32)
+PY
+cat "$OUT/env.txt"
+
+status=0
+timeout "$TIME_LIMIT" "$PYTHON" -m minfer bench --random-weights "$SHAPES" --device "$DEVICE" \
+    --dtypes float32 bfloat16 --batch-sizes 1 16 --max-tokens 64 --prompt-len 64 --repeats 3 --floor-steps 50 \
+    --json "$OUT/bench_generate.json" --markdown "$OUT/bench_generate.md" --no-progress "${EXTRA[@]}" \
+    2>&1 | tee "$OUT/bench_generate.log" || status=$?
+if [ "$status" -ne 0 ]; then
+    echo "gpu_check: the benchmark failed (exit $status); see $OUT/bench_generate.log" >&2
+    exit "$status"
+fi
+echo "gpu_check: results in $OUT"
