@@ -48,13 +48,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [batch, heads, seq, head_dim]; positions: [batch, seq]
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for these positions [batch, seq], shaped [batch, 1, seq, head_dim] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [batch, heads, seq, head_dim]: the pair (x_i, x_{i+d/2}) turns by the angle of its position."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
@@ -66,14 +69,14 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attention_fn: AttentionFn,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attention_fn: AttentionFn,
                 mask: Optional[torch.Tensor], kv_cache: Optional[KVCache], layer: int) -> torch.Tensor:
         batch, seq, _ = x.shape
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = rope(q, positions), rope(k, positions)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v)
         out = attention_fn(q, k, v, mask)
@@ -138,9 +141,10 @@ class LlamaModel(nn.Module):
         appended after the `kv_cache.length` already stored.
         """
         x = self.embed_tokens(input_ids)
+        rope = self.rope(positions, x.dtype)  # the same angles serve every layer
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
-            x = x + layer.self_attn(h, positions, self.rope, self.attention_fn, mask, kv_cache, i)
+            x = x + layer.self_attn(h, rope, self.attention_fn, mask, kv_cache, i)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         if kv_cache is not None:
             kv_cache.advance(input_ids.shape[1])
