@@ -16,8 +16,8 @@ def gen() -> torch.Generator:
 
 # ----------------------------------------------------------------- memory
 
-@pytest.mark.parametrize("kv_heads", [9, 3, 1])  # SmolLM2's shape as MHA, as it ships (GQA), and MQA
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads", [9, 3, 1], ids=["mha", "gqa", "mqa"])  # SmolLM2 as it ships is GQA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_cache_bytes_match_an_allocated_cache(impl, llm, kv_heads, dtype):
     config = dataclasses.replace(llm.config, num_kv_heads=kv_heads)
     c = config
@@ -79,7 +79,7 @@ def prompt_and_expected(llm):
     return prompt, llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
 
 
-@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "recompute"])
 def test_greedy_decode_matches_the_engine(impl, llm, prompt_and_expected, use_cache):
     prompt, expected = prompt_and_expected
     assert impl.greedy_decode(llm.model, prompt, 8, use_cache=use_cache) == expected
