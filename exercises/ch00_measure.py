@@ -37,7 +37,11 @@ def tpot(token_times: Sequence[float]) -> float:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters, counting a tensor shared by two names (tied weights) once."""
+    """Bytes of weights one decode step reads, for a model with `embed_tokens` and `lm_head` (a LlamaModel).
+
+    Every parameter counts once, even when two names share it (tied weights). The embedding
+    table counts only when it is also the output head: on its own, a step reads one row of it.
+    """
     raise NotImplementedError("write me")
 
 

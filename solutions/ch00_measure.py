@@ -47,12 +47,17 @@ def tpot(token_times: Sequence[float]) -> float:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters, counting a tensor shared by two names (tied weights) once."""
-    size_by_storage: dict[int, int] = {}
-    # SmolLM2 uses one matrix as both the token embedding and the output head: same memory, read once
-    for _, param in model.named_parameters(remove_duplicate=False):
-        size_by_storage[param.data_ptr()] = param.numel() * param.element_size()
-    return sum(size_by_storage.values())
+    """Bytes of weights one decode step reads, for a model with `embed_tokens` and `lm_head` (a LlamaModel).
+
+    Every parameter counts once, even when two names share it (tied weights). The embedding
+    table counts only when it is also the output head: on its own, a step reads one row of it.
+    """
+    bytes_by_tensor = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    embedding = model.embed_tokens.weight.data_ptr()
+    if embedding != model.lm_head.weight.data_ptr():
+        del bytes_by_tensor[embedding]  # untied: the lookup touches one row per token, not the table
+    # tied (SmolLM2): the head multiplies by the whole table every step, so it stays, counted once
+    return sum(bytes_by_tensor.values())
 
 
 def bandwidth_utilization(model_bytes: int, tokens_per_second: float, bandwidth_bytes_per_s: float) -> float:

@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+from minfer import benchmark
 from minfer.outputs import RequestMetrics
 
 
@@ -42,28 +43,34 @@ def test_token_timestamps_from_the_real_engine(impl, llm):
 
 
 def test_weight_bytes_of_the_real_model(impl, llm):
-    model = llm.model
-    expected = sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() skips shared tensors
-    assert impl.weight_bytes(model) == expected
-    assert 100e6 * 4 < impl.weight_bytes(model) < 150e6 * 4  # ~135 M float32 parameters
+    assert impl.weight_bytes(llm.model) == benchmark.weight_bytes(llm.model)
+    assert 100e6 * 4 < impl.weight_bytes(llm.model) < 150e6 * 4  # ~135 M float32 parameters, the head tied
 
 
-def test_weight_bytes_counts_tied_weights_once(impl):
-    class Tied(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = nn.Embedding(10, 4)
-            self.head = nn.Linear(4, 10, bias=False)
-            self.head.weight = self.embed.weight
+class Toy(nn.Module):
+    """The parts of a LlamaModel that matter here: an embedding, a layer, a head (tied or not)."""
 
-    model = Tied()
-    assert impl.weight_bytes(model) == 10 * 4 * 4
-    assert impl.weight_bytes(model.to(torch.bfloat16)) == 10 * 4 * 2
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(10, 4)
+        self.proj = nn.Linear(4, 4, bias=False)
+        self.lm_head = nn.Linear(4, 10, bias=False)
+        if tied:
+            self.lm_head.weight = self.embed_tokens.weight
 
 
-def test_bandwidth_utilization(impl):
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_weight_bytes_counts_what_a_step_reads(impl, tied, dtype):
+    model = Toy(tied).to(dtype)
+    assert impl.weight_bytes(model) == benchmark.weight_bytes(model)
+    # the 4x4 layer and the 10x4 head, each once; an untied embedding is read a row at a time
+    assert impl.weight_bytes(model) == (16 + 40) * dtype.itemsize
+
+
+def test_bandwidth_utilization_matches_the_benchmark(impl):
+    for model_bytes, tokens_per_s, bandwidth in [(1e9, 100.0, 200e9), (270e6, 30.0, 50e9), (540e6, 12.5, 20e9)]:
+        expected = benchmark.model_bandwidth_utilisation(model_bytes, 1 / tokens_per_s, bandwidth)
+        assert impl.bandwidth_utilization(model_bytes, tokens_per_s, bandwidth) == pytest.approx(expected)
     # 1 GB of weights at 100 tokens/s moves 100 GB/s: half of a 200 GB/s memory
     assert impl.bandwidth_utilization(1e9, 100.0, 200e9) == pytest.approx(0.5)
-    base = impl.bandwidth_utilization(270e6, 30.0, 50e9)
-    assert impl.bandwidth_utilization(270e6, 60.0, 50e9) == pytest.approx(2 * base)
-    assert impl.bandwidth_utilization(270e6, 30.0, 100e9) == pytest.approx(base / 2)
