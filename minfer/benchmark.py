@@ -387,6 +387,8 @@ def machine_info(device: str = "cpu") -> dict:
     info = {"cpu": _cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "device": device}
+    if hasattr(os, "getloadavg"):  # other work on the machine: with too few free cores, threads wait on each other
+        info["load_average_1min"] = round(os.getloadavg()[0], 2)
     if torch.device(device).type == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
     return info
@@ -418,6 +420,7 @@ def run_generate_benchmark(model: str = "smollm2-135m", dtypes: Sequence[str] = 
     if unknown:
         raise ValueError(f"unknown engines {sorted(unknown)}: use minfer and/or transformers")
     started = time.perf_counter()
+    machine = machine_info(device)  # before we load the machine ourselves
     tasks = len(dtypes) * len(batch_sizes) * repeats * (1 + len(engines)) + 1
     bar = tqdm(total=tasks, desc="bench", disable=not progress, leave=False)
     with tempfile.TemporaryDirectory(prefix="minfer_bench_") as tmp:
@@ -467,7 +470,7 @@ def run_generate_benchmark(model: str = "smollm2-135m", dtypes: Sequence[str] = 
         "settings": {"dtypes": list(dtypes), "batch_sizes": list(batch_sizes), "max_tokens": max_tokens,
                      "prompt_len": prompt_len, "repeats": repeats, "floor_steps": floor_steps,
                      "engines": list(engines), "greedy": True, "ignore_eos": True},
-        "machine": machine_info(device),
+        "machine": machine,
         "memory_bandwidth_bytes_per_s": bandwidth,
         "weight_bytes_per_step": per_step_bytes,
         "rows": [t.as_dict() for t in rows],
@@ -508,6 +511,8 @@ def format_markdown(result: dict, command: Optional[str] = None) -> str:
     m = result["machine"]
     s = result["settings"]
     hw = m.get("gpu") or f"{m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads)"
+    if "load_average_1min" in m and not m.get("gpu"):
+        hw += f", load average {m['load_average_1min']} at the start"
     lines = []
     if command:
         lines.append(f"Command: `{command}`  ")
