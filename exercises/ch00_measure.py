@@ -31,7 +31,7 @@ def tpot(token_times: Sequence[float]) -> float:
     """Time per output token, in seconds: the mean gap between tokens after the first.
 
     The first token is left out: its wait is prefill, which TTFT already counts.
-    Needs at least two tokens.
+    Raises ValueError for fewer than two tokens (there is no gap to measure).
     """
     raise NotImplementedError("write me")
 

@@ -39,7 +39,7 @@ def tpot(token_times: Sequence[float]) -> float:
     """Time per output token, in seconds: the mean gap between tokens after the first.
 
     The first token is left out: its wait is prefill, which TTFT already counts.
-    Needs at least two tokens.
+    Raises ValueError for fewer than two tokens (there is no gap to measure).
     """
     if len(token_times) < 2:
         raise ValueError("TPOT needs at least two tokens")

@@ -36,6 +36,11 @@ def test_tpot_ignores_the_prefill_wait(impl):
     assert impl.ttft(arrival, later) == pytest.approx(impl.ttft(arrival, times) + 5.0)
 
 
+def test_tpot_needs_two_tokens(impl):
+    with pytest.raises(ValueError):
+        impl.tpot([1.5])
+
+
 def test_token_timestamps_from_the_real_engine(impl, llm):
     arrival, times = impl.token_timestamps(llm, "The capital of France is", max_tokens=4)
     assert len(times) == 4  # end-of-sequence must not cut it short
