@@ -47,6 +47,7 @@ from tqdm.auto import tqdm
 from minfer.config import ModelConfig
 
 TokenIds = list[int]
+DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 DOCS_START = "<!-- bench_generate:start -->"
 DOCS_END = "<!-- bench_generate:end -->"
 # Targets from the engine's performance issue: batch-1 decode within 1.25x of the matmul floor,
@@ -499,6 +500,8 @@ def ratios(rows: Iterable[Timing]) -> list[dict]:
             entry["minfer_vs_transformers"] = by["minfer"].decode_tokens_per_s / by["transformers"].decode_tokens_per_s
         if "minfer" in by and "matmul floor" in by:
             entry["minfer_vs_floor"] = by["minfer"].decode_tokens_per_s / by["matmul floor"].decode_tokens_per_s
+        if "minfer" in by and "same_tokens_as_transformers" in by["minfer"].extra:
+            entry["same_tokens"] = by["minfer"].extra["same_tokens_as_transformers"]
         if "transformers" in by and "matmul floor" in by:
             entry["transformers_vs_floor"] = (by["transformers"].decode_tokens_per_s
                                               / by["matmul floor"].decode_tokens_per_s)
@@ -514,6 +517,10 @@ def format_markdown(result: dict, command: Optional[str] = None) -> str:
     if "load_average_1min" in m and not m.get("gpu"):
         hw += f", load average {m['load_average_1min']} at the start"
     lines = []
+    busy = m.get("load_average_1min", 0) > max(0, m["cores"] - m["torch_threads"]) + 0.5
+    if busy and not m.get("gpu"):
+        lines.append(f"**Warning: the machine was busy (load average {m['load_average_1min']} on {m['cores']} cores): "
+                     "timings are unreliable. Rerun on a quiet machine, or with `--threads` set to the free cores.**\n")
     if command:
         lines.append(f"Command: `{command}`  ")
     lines += [
@@ -530,7 +537,8 @@ def format_markdown(result: dict, command: Optional[str] = None) -> str:
         ttft = "–" if r["ttft_s"] is None else f"{r['ttft_s'] * 1e3:.1f}"
         lines.append(f"| {r['dtype']} | {r['batch_size']} | {r['engine']} | {ttft} | {r['tpot_s'] * 1e3:.1f} "
                      f"| {r['decode_tokens_per_s']:.1f} | {r['mbu'] * 100:.0f}% |")
-    lines += ["", "| dtype | batch | minfer / transformers | minfer / floor | transformers / floor |", "|---|---:|---:|---:|---:|"]
+    lines += ["", "| dtype | batch | minfer / transformers | minfer / floor | transformers / floor | same tokens |",
+              "|---|---:|---:|---:|---:|---:|"]
 
     def cell(entry, key, target=None):
         if key not in entry:
@@ -543,14 +551,15 @@ def format_markdown(result: dict, command: Optional[str] = None) -> str:
     for e in result["ratios"]:
         floor_target = TARGET_FLOOR_FRACTION if e["batch_size"] == 1 else None
         lines.append(f"| {e['dtype']} | {e['batch_size']} | {cell(e, 'minfer_vs_transformers', TARGET_VS_TRANSFORMERS)} "
-                     f"| {cell(e, 'minfer_vs_floor', floor_target)} | {cell(e, 'transformers_vs_floor')} |")
+                     f"| {cell(e, 'minfer_vs_floor', floor_target)} | {cell(e, 'transformers_vs_floor')} "
+                     f"| {'–' if 'same_tokens' not in e else format(e['same_tokens'], '.0%')} |")
     lines += ["", f"Targets: minfer ≥ {TARGET_VS_TRANSFORMERS}× transformers in the same dtype; at batch 1, minfer ≥ "
                   f"{TARGET_FLOOR_FRACTION:.2f}× the matmul floor (within 1.25× of it). MBU = weight bytes per step ÷ TPOT "
-                  "÷ copy bandwidth."]
+                  "÷ copy bandwidth. Same tokens: share of sequences where both engines generated identical ids."]
     return "\n".join(lines) + "\n"
 
 
-def update_docs(markdown: str, path: Union[str, Path] = "docs/benchmarks.md") -> None:
+def update_docs(markdown: str, path: Union[str, Path] = DOCS_PAGE) -> None:
     """Replace the generate-benchmark section of the docs page (between its markers), or add it."""
     path = Path(path)
     section = f"{DOCS_START}\n{markdown.rstrip()}\n{DOCS_END}"
@@ -583,7 +592,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", dest="json_path", help="write the results here as JSON")
     parser.add_argument("--markdown", dest="markdown_path", help="write the markdown table here")
-    parser.add_argument("--update-docs", nargs="?", const="docs/benchmarks.md", default=None, metavar="PATH",
+    parser.add_argument("--update-docs", nargs="?", const=str(DOCS_PAGE), default=None, metavar="PATH",
                         help="replace the marked section of docs/benchmarks.md (or PATH) with the table")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
