@@ -199,5 +199,5 @@ def test_gpu_check_script_runs_on_cpu_with_tiny_shapes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "out" / "bench_generate.json").read_text())
     assert result["machine"]["device"] == "cpu" and "tiny" in result["model"]
-    assert (tmp_path / "out" / "bench_generate.md").read_text().startswith("Command:")
+    assert "Command: `python -m minfer bench --random-weights tiny" in (tmp_path / "out" / "bench_generate.md").read_text()
     assert "torch" in (tmp_path / "out" / "env.txt").read_text()
