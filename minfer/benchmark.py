@@ -569,7 +569,11 @@ def update_docs(markdown: str, path: Union[str, Path] = DOCS_PAGE) -> None:
         tail = rest.split(DOCS_END, 1)[1]
         text = head + section + tail
     else:
-        text = text.rstrip() + "\n\n## minfer vs transformers `generate`\n\n" + section + "\n"
+        intro = ("Decode speed of minfer against transformers' `generate` and against the bare matrix multiplications "
+                 "of a decode step (the matmul floor), same weights, same prompts, one process. How each number is "
+                 "timed: `minfer/benchmark.py` (the course notebooks use the same helpers). Regenerate with "
+                 "`python benchmarks/bench_generate.py --update-docs` on a quiet machine.")
+        text = text.rstrip() + "\n\n## minfer vs transformers `generate`\n\n" + intro + "\n\n" + section + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
 
