@@ -45,10 +45,17 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
 
 def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
     """PyTorch's fused scaled_dot_product_attention (flash / memory-efficient kernels where available)."""
+    batch, num_heads, q_len, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if q_len == 1:
+        # Decode: fold each KV head's group of query heads into the query axis, so one plain
+        # attention call per KV head serves the whole group (much faster on CPU than enable_gqa).
+        # A new token may see every stored key, so only a padding mask [batch, 1, 1, kv] can apply.
+        grouped = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask)
+        return out.reshape(batch, num_heads, 1, head_dim)
     if mask is None:
-        q_len, kv_len = q.shape[2], k.shape[2]
-        if q_len == 1:  # one new token sees everything: no mask needed at all
-            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        kv_len = k.shape[2]
         if q_len == kv_len:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         mask = causal_mask(q_len, kv_len, q.device)
