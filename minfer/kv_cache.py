@@ -7,9 +7,12 @@ for the longest sequence the batch may reach.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from minfer.config import ModelConfig
+from minfer.layers.attention import AttentionFn
 
 
 class KVCache:
@@ -29,6 +32,12 @@ class KVCache:
         self.k[layer, :, :, self.length:end] = k
         self.v[layer, :, :, self.length:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_fn: AttentionFn,
+               mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Store the new k, v, then let the new queries attend over everything stored so far."""
+        k_all, v_all = self.update(layer, k, v)
+        return attention_fn(q, k_all, v_all, mask)
 
     def advance(self, num_tokens: int) -> None:
         self.length += num_tokens

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from minfer import LLM
+from minfer.course import IMPLS
 from minfer.models.loader import load_model, save_hf_checkpoint
 
 
@@ -26,6 +27,11 @@ def hf_reference_model(hf_reference_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(hf_reference_dir, dtype=torch.float32).eval()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--impl", choices=IMPLS, default="solutions",
+                     help="which code the chapter tests check: your exercises/ or the solutions/")
 
 
 def pytest_configure(config):

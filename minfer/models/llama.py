@@ -9,7 +9,7 @@ stacks the separate checkpoint matrices into them.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,9 @@ from torch import nn
 
 from minfer.config import ModelConfig
 from minfer.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from minfer.engine.paged_kv import PagedStep
 from minfer.layers.attention import AttentionFn, attention_sdpa
 
 
@@ -70,16 +73,17 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attention_fn: AttentionFn,
-                mask: Optional[torch.Tensor], kv_cache: Optional[KVCache], layer: int) -> torch.Tensor:
+                mask: Optional[torch.Tensor], kv_cache: Optional[KVCache | PagedStep], layer: int) -> torch.Tensor:
         batch, seq, _ = x.shape
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if kv_cache is not None:
-            k, v = kv_cache.update(layer, k, v)
-        out = attention_fn(q, k, v, mask)
+        if kv_cache is None:
+            out = attention_fn(q, k, v, mask)
+        else:  # the cache stores k, v where it keeps them and runs attention over all it holds
+            out = kv_cache.attend(layer, q, k, v, attention_fn, mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.q_size))
 
 
@@ -133,12 +137,15 @@ class LlamaModel(nn.Module):
         return model.eval()
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: Optional[KVCache] = None,
-                mask: Optional[torch.Tensor] = None, last_only: bool = True) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: Optional[KVCache | PagedStep] = None,
+                mask: Optional[torch.Tensor] = None, last_only: bool = True,
+                logits_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
         """input_ids, positions: [batch, seq]. Returns logits [batch, seq or 1, vocab] in float32.
 
-        mask: see `minfer.layers.attention` (None = causal). With a cache, the new tokens are
-        appended after the `kv_cache.length` already stored.
+        mask: see `minfer.layers.attention` (None = causal). kv_cache: a contiguous `KVCache` (the new
+        tokens follow the `kv_cache.length` already stored) or the engine's `PagedStep`.
+        Logits are computed for the last position only (generation needs no more), for every
+        position with last_only=False, or for the positions in logits_indices.
         """
         x = self.embed_tokens(input_ids)
         rope = self.rope(positions, x.dtype)  # the same angles serve every layer
@@ -148,7 +155,9 @@ class LlamaModel(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         if kv_cache is not None:
             kv_cache.advance(input_ids.shape[1])
-        if last_only:  # generation needs only the next token's logits: skip the head for the rest
+        if logits_indices is not None:
+            x = x[:, logits_indices]
+        elif last_only:  # skip the big output head for positions nobody samples from
             x = x[:, -1:]
         return self.lm_head(self.norm(x)).float()
 

@@ -1,17 +1,14 @@
 """Run the chapter tests against the worked solutions (default) or your exercises:
 
     pytest tests/exercises/test_ch01_model.py --impl exercises
+
+(The --impl option itself is declared in tests/conftest.py, so it works from any starting folder.)
 """
 from types import ModuleType
 
 import pytest
 
-from minfer.course import IMPLS, load_impl
-
-
-def pytest_addoption(parser):
-    parser.addoption("--impl", choices=IMPLS, default="solutions",
-                     help="which code the chapter tests check: your exercises/ or the solutions/")
+from minfer.course import load_impl
 
 
 @pytest.fixture(scope="module")
