@@ -1,0 +1,171 @@
+"""The paged KV cache: its layout, and the kernel that writes new tokens into it.
+
+Why pages
+---------
+The contiguous cache of chapter 02 (``minfer/kv_cache.py``) reserves ``max_len`` slots for every
+sequence up front. Most sequences stop long before, so most of that memory is reserved and never
+used, and a batch can hold only as many sequences as their worst cases allow. The paged cache
+borrows the operating system's answer to the same problem: cut the memory into fixed-size *blocks*
+(pages) of ``block_size`` tokens, hand a sequence one block at a time as it grows, and keep a
+*block table* per sequence that maps its logical token positions to physical blocks. Waste is at
+most one partly filled block per sequence, and two sequences with the same prompt prefix can
+point at the same blocks (prefix caching).
+
+The layout
+----------
+Per layer there is one K pool and one V pool, each
+
+    pool: [num_blocks, block_size, num_kv_heads, head_dim]
+
+shared by every sequence in the batch. A sequence owns a list of block ids, its row of the block
+table (``int32``, padded with -1 past the blocks it owns; padding is never read, because every
+kernel stops at the sequence's length):
+
+    block_tables:  [num_seqs, max_blocks_per_seq]   int32
+    context_lens:  [num_seqs]                       int32, tokens stored for each sequence
+
+Token ``t`` of a sequence lives in block ``block_table[t // block_size]`` at offset
+``t % block_size``. Flattening (block, offset) gives the token's *slot*:
+
+    slot = block * block_size + offset        pool.view(-1, num_kv_heads, head_dim)[slot]
+
+Slots are how new tokens are addressed when they are written: the engine computes one slot per
+new token (``slots_for_positions``) and passes the whole step's ``slot_mapping`` to ``write_kv``.
+A slot of -1 means "no slot": padding tokens of a batch are skipped, not written.
+
+Running the kernels
+-------------------
+Triton compiles for GPUs. On a CPU it can only *interpret* a kernel (numpy executes each program
+instance), which is slow but exact, and that is how the tests check the kernels without a GPU.
+The interpreter is chosen by the environment variable ``TRITON_INTERPRET=1``, read by
+``@triton.jit`` when it decorates a kernel, so it must be set before these modules are imported.
+Every wrapper here runs its Triton kernel on CUDA tensors or under the interpreter
+(``use_triton``), and otherwise falls back to its PyTorch reference.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """True where a Triton kernel can run on ``x``: a CUDA tensor, or anything under TRITON_INTERPRET=1."""
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def slots_for_positions(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The slots of one sequence's tokens at ``positions``: block_table[p // block_size] * block_size + p % block_size."""
+    positions = positions.long()
+    return block_table.long()[positions // block_size] * block_size + positions % block_size
+
+
+def gather_kv(pool: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """One sequence's first ``length`` tokens of a pool, in order: [length, num_kv_heads, head_dim].
+
+    The reference way to read a paged cache: compute every token's slot, then index. It copies
+    the whole context, which is exactly what the kernels avoid.
+    """
+    block_size = pool.shape[1]
+    slots = slots_for_positions(block_table, torch.arange(length, device=pool.device), block_size)
+    return pool.flatten(0, 1)[slots]
+
+
+def check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
+    """The kernels address K and V with one set of strides and assume each head's vector is contiguous."""
+    if k_pool.dim() != 4:
+        raise ValueError(f"a KV pool is [num_blocks, block_size, num_kv_heads, head_dim], got shape {tuple(k_pool.shape)}")
+    if k_pool.shape != v_pool.shape or k_pool.stride() != v_pool.stride() or k_pool.dtype != v_pool.dtype:
+        raise ValueError("k_pool and v_pool must have the same shape, strides and dtype")
+    if k_pool.stride(-1) != 1:
+        raise ValueError("the last (head_dim) axis of the pools must be contiguous")
+
+
+def check_attention_inputs(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor) -> int:
+    """Validate the shapes the attention kernels share; return the GQA group size (query heads per KV head)."""
+    check_pools(k_pool, v_pool)
+    num_heads, head_dim = q.shape[-2:]
+    num_kv_heads = k_pool.shape[2]
+    if q.dim() != 3 or head_dim != k_pool.shape[3] or num_heads % num_kv_heads:
+        raise ValueError(f"q must be [tokens, num_heads, {k_pool.shape[3]}] with num_heads a multiple of "
+                         f"num_kv_heads={num_kv_heads}, got {tuple(q.shape)}")
+    if q.dtype != k_pool.dtype:
+        raise ValueError(f"q and the pools must share a dtype, got {q.dtype} and {k_pool.dtype}")
+    if q.stride(-1) != 1:
+        raise ValueError("the last (head_dim) axis of q must be contiguous")
+    if (block_tables.dim() != 2 or block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1
+            or context_lens.shape != (block_tables.shape[0],)):
+        raise ValueError(f"block_tables must be int32 [num_seqs, max_blocks] with contiguous rows and context_lens [num_seqs], "
+                         f"got {block_tables.dtype} {tuple(block_tables.shape)} and {tuple(context_lens.shape)}")
+    return num_heads // num_kv_heads
+
+
+def write_kv_reference(k_pool: torch.Tensor, v_pool: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """Store k_new, v_new [num_tokens, num_kv_heads, head_dim] at their slots, in place; slot -1 is skipped."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_pool.view(-1, *k_pool.shape[2:])[slots] = k_new[keep].to(k_pool.dtype)
+    v_pool.view(-1, *v_pool.shape[2:])[slots] = v_new[keep].to(v_pool.dtype)
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_pool_ptr, v_pool_ptr, k_new_ptr, v_new_ptr, slot_mapping_ptr,
+    stride_pool_block, stride_pool_token, stride_pool_head,
+    stride_new_token, stride_new_head,
+    num_kv_heads, head_dim,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program per new token: it copies that token's [num_kv_heads, head_dim] tile of K and of V.
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)  # int64: block * stride overflows int32 in big pools
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+
+    # tl.arange needs a power of two, so the tile is padded and the padding masked off.
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    inside = (heads[:, None] < num_kv_heads) & (dims[None, :] < head_dim)
+    mask = inside & (slot >= 0)  # a padding token (slot -1) writes nothing
+
+    src = token * stride_new_token + heads[:, None] * stride_new_head + dims[None, :]
+    dst = block * stride_pool_block + offset * stride_pool_token + heads[:, None] * stride_pool_head + dims[None, :]
+    k = tl.load(k_new_ptr + src, mask=mask)
+    v = tl.load(v_new_ptr + src, mask=mask)
+    tl.store(k_pool_ptr + dst, k.to(k_pool_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_pool_ptr + dst, v.to(v_pool_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store k_new, v_new [num_tokens, num_kv_heads, head_dim] at their slots, in place; slot -1 is skipped.
+
+    Runs the Triton kernel on CUDA tensors or under TRITON_INTERPRET=1, else ``write_kv_reference``.
+    """
+    check_pools(k_pool, v_pool)
+    num_tokens, num_kv_heads, head_dim = k_new.shape
+    if k_new.shape != v_new.shape or k_new.stride() != v_new.stride() or (num_kv_heads, head_dim) != tuple(k_pool.shape[2:]):
+        raise ValueError(f"k_new and v_new must both be [num_tokens, {k_pool.shape[2]}, {k_pool.shape[3]}] with the same strides, "
+                         f"got {tuple(k_new.shape)} and {tuple(v_new.shape)}")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping must hold one slot per new token ({num_tokens}), got shape {tuple(slot_mapping.shape)}")
+    if not use_triton(k_pool):
+        write_kv_reference(k_pool, v_pool, k_new, v_new, slot_mapping)
+        return
+    if num_tokens == 0:
+        return
+    if k_new.stride(-1) != 1:
+        k_new, v_new = k_new.contiguous(), v_new.contiguous()
+    _write_kv_kernel[(num_tokens,)](
+        k_pool, v_pool, k_new, v_new, slot_mapping,
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        k_new.stride(0), k_new.stride(1),
+        num_kv_heads, head_dim,
+        BLOCK_SIZE=k_pool.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )

@@ -1,0 +1,165 @@
+"""Paged decode attention: one new query token per sequence, reading K/V through the block table.
+
+The problem
+-----------
+In a decode step every sequence of the batch brings one new token. Its query must attend over
+all ``context_len`` keys and values the sequence has stored, and those sit in the paged pools
+(see ``paged_cache.py``), scattered over whatever blocks the sequence was given. The work per
+byte is tiny (one multiply-add per K or V element read, per query head), so the step is bound by
+memory bandwidth: a good decode kernel is one that reads every K/V byte once, at full speed, and
+does nothing else.
+
+The reference
+-------------
+``paged_decode_attention_reference`` does the obvious thing: gather the sequence's K and V into
+contiguous tensors, repeat them for the grouped query heads, and apply softmax(q k^T * scale) v.
+It copies the whole context (twice, with the GQA repeat) before any math happens.
+
+The kernel
+----------
+One program per (sequence, KV head). It walks the sequence's tokens in tiles of ``BLOCK_N``:
+
+1. *Gather through the block table.* For the tile's positions ``p`` it loads
+   ``block_table[p // block_size]`` and addresses token ``p`` at (that block, ``p % block_size``).
+   A tile may cover part of a block or several blocks: the tile size is a tuning choice, the block
+   size a memory-management choice, and neither constrains the other.
+2. *Serve the whole query group with one read.* With grouped-query attention, ``group`` query
+   heads share each KV head (query head h reads KV head h // group). The program holds all of
+   them as the rows of a [group, head_dim] query tile, so each K/V tile is loaded once and used
+   ``group`` times: the bandwidth saving GQA promises, which a kernel with one program per query
+   head would give away. ``tl.dot`` needs at least 16 rows on a GPU, so the group is padded to
+   ``BLOCK_G`` rows and the padding masked off; the wasted multiply-adds are free in a
+   memory-bound kernel.
+3. *Online softmax.* The program never holds a full row of scores. It keeps, per query head, the
+   running maximum ``m``, the running sum ``l`` of exp(score - m), and the running output
+   ``acc`` = sum of exp(score - m) * v. When a tile raises the maximum from ``m`` to ``m'``,
+   everything accumulated so far was scaled by exp(-m) instead of exp(-m'), so it is rescaled by
+   ``alpha = exp(m - m')`` before the tile is added. At the end ``acc / l`` is exactly
+   softmax(scores) @ V: the same numbers as the reference, computed in one pass.
+
+What comes next (not done here): when a batch has few sequences but long contexts, one program
+per (sequence, KV head) leaves most of a GPU idle; *split-K* ("flash decoding") gives several
+programs a slice of the context each and merges their (m, l, acc) with the same rescaling.
+
+Inputs must satisfy ``context_lens >= 1``: a sequence with nothing stored has nothing to attend to.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from minfer.kernels.paged_cache import check_attention_inputs, gather_kv, use_triton
+
+
+def paged_decode_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                                     block_tables: torch.Tensor, context_lens: torch.Tensor,
+                                     scale: Optional[float] = None) -> torch.Tensor:
+    """Attention of one query per sequence over its paged K/V, by gathering and softmax.
+
+    q [num_seqs, num_heads, head_dim]; k_pool, v_pool [num_blocks, block_size, num_kv_heads, head_dim];
+    block_tables int32 [num_seqs, max_blocks]; context_lens [num_seqs] (each >= 1); scale defaults to
+    1/sqrt(head_dim). Returns [num_seqs, num_heads, head_dim] in q's dtype; the math runs in float32.
+    """
+    group = check_attention_inputs(q, k_pool, v_pool, block_tables, context_lens)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out = torch.empty_like(q)
+    for seq, length in enumerate(context_lens.tolist()):
+        k = gather_kv(k_pool, block_tables[seq], length).repeat_interleave(group, dim=1).float()  # [len, heads, dim]
+        v = gather_kv(v_pool, block_tables[seq], length).repeat_interleave(group, dim=1).float()
+        scores = torch.einsum("hd,nhd->hn", q[seq].float(), k) * scale
+        out[seq] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), v).to(q.dtype)
+    return out
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_pool_ptr, v_pool_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
+    scale,
+    stride_q_seq, stride_q_head,
+    stride_pool_block, stride_pool_token, stride_pool_head,
+    stride_table_seq,
+    stride_out_seq, stride_out_head,
+    head_dim,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    context_len = tl.load(context_lens_ptr + seq)
+
+    # The query tile: the GROUP query heads that read this KV head, one per row (padded to BLOCK_G).
+    rows = tl.arange(0, BLOCK_G)
+    dims = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + rows
+    row_ok = rows < GROUP
+    dim_ok = dims < head_dim
+    q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)  # running max of the scores, per query head
+    l = tl.zeros([BLOCK_G], dtype=tl.float32)                 # running sum of exp(score - m)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)      # running sum of exp(score - m) * v
+
+    table = block_tables_ptr + seq * stride_table_seq
+    for start in range(0, context_len, BLOCK_N):
+        positions = start + tl.arange(0, BLOCK_N)
+        token_ok = positions < context_len
+        # Page-table lookup: which block holds each position, and where in it. Positions past the
+        # end are masked, so the table's -1 padding is never used as an address.
+        block = tl.load(table + positions // BLOCK_SIZE, mask=token_ok, other=0).to(tl.int64)
+        token = block * stride_pool_block + (positions % BLOCK_SIZE) * stride_pool_token + kv_head * stride_pool_head
+        kv_offsets = token[:, None] + dims[None, :]
+        kv_mask = token_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_pool_ptr + kv_offsets, mask=kv_mask, other=0.0)   # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_pool_ptr + kv_offsets, mask=kv_mask, other=0.0)
+
+        scores = tl.dot(q, tl.trans(k)) * scale                          # [BLOCK_G, BLOCK_N], float32
+        scores = tl.where(token_ok[None, :], scores, float("-inf"))
+        # The first tile always holds position 0, so m_new is finite from then on and
+        # alpha = exp(-inf - finite) = 0 cleanly discards the (empty) initial state.
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    out = acc / l[:, None]
+    tl.store(out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: Optional[float] = None, *, block_n: int = 64) -> torch.Tensor:
+    """The Triton kernel for ``paged_decode_attention_reference`` (same arguments, same result).
+
+    ``block_n`` is the number of tokens a program processes per step of its loop (a power of two,
+    at least 16): a tuning knob, independent of the pools' block size. Runs the Triton kernel on
+    CUDA tensors or under TRITON_INTERPRET=1; elsewhere falls back to the reference.
+    """
+    group = check_attention_inputs(q, k_pool, v_pool, block_tables, context_lens)
+    if not use_triton(q):
+        return paged_decode_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale)
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    out = torch.empty_like(q)
+    _paged_decode_kernel[(num_seqs, num_kv_heads)](
+        q, k_pool, v_pool, block_tables, context_lens, out,
+        scale,
+        q.stride(0), q.stride(1),
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        head_dim,
+        GROUP=group, BLOCK_SIZE=k_pool.shape[1],
+        # tl.dot wants every side >= 16 on a GPU, and tl.arange wants powers of two.
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+    )
+    return out
