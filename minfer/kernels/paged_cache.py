@@ -123,14 +123,15 @@ def _write_kv_kernel(
     # One program per new token: it copies that token's [num_kv_heads, head_dim] tile of K and of V.
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)  # int64: block * stride overflows int32 in big pools
+    if slot < 0:  # a padding token writes nothing
+        return
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
 
     # tl.arange needs a power of two, so the tile is padded and the padding masked off.
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
-    inside = (heads[:, None] < num_kv_heads) & (dims[None, :] < head_dim)
-    mask = inside & (slot >= 0)  # a padding token (slot -1) writes nothing
+    mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < head_dim)
 
     src = token * stride_new_token + heads[:, None] * stride_new_head + dims[None, :]
     dst = block * stride_pool_block + offset * stride_pool_token + heads[:, None] * stride_pool_head + dims[None, :]
