@@ -7,8 +7,6 @@ nobody reads: that waste is what continuous batching removes later in the course
 """
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import torch
@@ -17,60 +15,7 @@ from minfer.kv_cache import KVCache
 from minfer.layers.attention import causal_mask
 from minfer.layers.sampler import sample_next_tokens
 from minfer.models.llama import LlamaModel
-from minfer.outputs import CompletionOutput, RequestMetrics
-from minfer.sampling_params import SamplingParams
-
-
-@dataclass(eq=False)  # compared by identity
-class Sequence:
-    """One completion being generated: a prompt, its settings, and the tokens so far."""
-
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    max_tokens: int  # params.max_tokens, capped by the context window
-    generator: torch.Generator
-    metrics: RequestMetrics
-    index: int = 0
-    output_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[object] = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def append(self, token: int, tokenizer, eos_ids: set[int]) -> None:
-        """Add a token, update the text, and decide whether the sequence is done."""
-        now = time.perf_counter()
-        if not self.output_ids:
-            self.metrics.first_token_time = now
-        self.output_ids.append(token)
-        self.metrics.num_output_tokens = len(self.output_ids)
-        p = self.params
-        self.text = tokenizer.decode(self.output_ids, skip_special_tokens=p.skip_special_tokens)
-        if not p.ignore_eos and token in eos_ids:
-            self.finish_reason = "stop"
-        elif p.stop_token_ids and token in p.stop_token_ids:
-            self.finish_reason, self.stop_reason = "stop", token
-        elif self._truncate_at_stop_string():
-            self.finish_reason = "stop"
-        elif len(self.output_ids) >= self.max_tokens:
-            self.finish_reason = "length"
-        if self.finished:
-            self.metrics.finished_time = now
-
-    def _truncate_at_stop_string(self) -> bool:
-        hits = [(self.text.find(s), s) for s in self.params.stop_strings if s in self.text]
-        if not hits:
-            return False
-        position, stop = min(hits)
-        end = position + len(stop) if self.params.include_stop_str_in_output else position
-        self.text, self.stop_reason = self.text[:end], stop
-        return True
-
-    def to_output(self) -> CompletionOutput:
-        return CompletionOutput(self.index, self.text, list(self.output_ids), self.finish_reason, self.stop_reason)
+from minfer.sequence import Sequence
 
 
 def padded_batch(seqs: list[Sequence], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

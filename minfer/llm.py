@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Iterable, Iterator, Optional, Union
+from typing import Iterator, Optional, Union
 
 import torch
 from tqdm.auto import tqdm
 
-from minfer.generate import Sequence, generate_static_batch
+from minfer.engine.engine import Engine, request_output
+from minfer.engine.paged_kv import KVPool
+from minfer.generate import generate_static_batch
+from minfer.sequence import Sequence
 from minfer.layers.attention import AttentionFn, get_attention_fn
 from minfer.models.llama import LlamaModel
 from minfer.models.loader import DEFAULT_MODEL, load_model
@@ -50,18 +53,33 @@ class LLM:
 
     model: 'smollm2-135m' (the default, shipped in a package), a .gguf file or a Hugging Face
     directory. dtype: 'auto' | 'float32' | 'bfloat16' | 'float16'. device: 'auto' | 'cpu' | 'cuda'.
-    max_model_len: the context window (default: the model's). max_num_seqs: how many sequences
-    one batch holds. seed: seeds requests that bring no seed of their own. attention: 'sdpa',
-    'reference' or your own function (see `minfer.layers.attention`).
+    max_model_len: the context window (default: the model's). seed: seeds requests that bring no
+    seed of their own. attention: 'sdpa', 'reference' or your own function (see
+    `minfer.layers.attention`).
+
+    The serving engine (vLLM's names): block_size (tokens per KV block), max_num_seqs (sequences
+    per step), max_num_batched_tokens (tokens per step), enable_prefix_caching,
+    enable_chunked_prefill, and the KV pool's size: num_gpu_blocks_override (blocks, on any
+    device), else kv_cache_memory_bytes, else on CUDA gpu_memory_utilization x device memory
+    minus what is in use, on CPU 1 GiB.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, dtype: Union[str, torch.dtype] = "auto", device: str = "auto",
                  max_model_len: Optional[int] = None, max_num_seqs: int = 32, seed: int = 0,
-                 attention: Union[str, AttentionFn] = "sdpa") -> None:
+                 attention: Union[str, AttentionFn] = "sdpa", block_size: int = 16,
+                 max_num_batched_tokens: Optional[int] = None, enable_prefix_caching: bool = True,
+                 enable_chunked_prefill: bool = True, gpu_memory_utilization: float = 0.9,
+                 num_gpu_blocks_override: Optional[int] = None, kv_cache_memory_bytes: Optional[int] = None) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
+        for name, value in [("max_num_seqs", max_num_seqs), ("block_size", block_size),
+                            ("max_num_batched_tokens", max_num_batched_tokens or 1),
+                            ("num_gpu_blocks_override", num_gpu_blocks_override or 1),
+                            ("kv_cache_memory_bytes", kv_cache_memory_bytes or 1)]:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
         loaded = load_model(model, self.dtype)
         self.config, self.tokenizer, self.model_path = loaded.config, loaded.tokenizer, loaded.path
         limit = self.config.max_position_embeddings
@@ -70,11 +88,33 @@ class LLM:
         self.max_model_len = max_model_len or limit
         self.max_num_seqs = max_num_seqs
         self.model = LlamaModel.from_weights(self.config, loaded.weights, self.dtype, self.device)
-        self.model.eval()
+        del loaded
         self.set_attention(attention)
         self.eos_token_ids = {t for t in (self.tokenizer.eos_token_id,) if t is not None}
         self._seed_stream = torch.Generator().manual_seed(seed)
         self._request_counter = 0
+        if max_num_batched_tokens is None:  # a whole prompt per step if prompts cannot be chunked
+            max_num_batched_tokens = 512 if enable_chunked_prefill else self.max_model_len
+        if not enable_chunked_prefill and max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
+                             f"max_model_len ({self.max_model_len}), or the longest prompts could never run")
+        num_blocks = num_gpu_blocks_override or self._blocks_for_memory(block_size, kv_cache_memory_bytes,
+                                                                        gpu_memory_utilization)
+        self.engine = Engine(self.model, self.tokenizer, self.eos_token_ids, num_blocks, block_size, max_num_seqs,
+                             max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill)
+
+    def _blocks_for_memory(self, block_size: int, memory_bytes: Optional[int], utilization: float) -> int:
+        per_block = KVPool.bytes_per_block(self.config, block_size, self.dtype)
+        if memory_bytes is None and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            activations = 4 * 2**30  # headroom for the forward pass's activations and logits
+            memory_bytes = int(total * utilization) - (total - free) - activations
+        elif memory_bytes is None:
+            memory_bytes = 2**30
+        if memory_bytes < per_block:
+            raise ValueError(f"the KV cache budget ({memory_bytes} bytes) is smaller than one block ({per_block} bytes)")
+        return memory_bytes // per_block
 
     # ------------------------------------------------------------------ public API
     def get_tokenizer(self):
@@ -86,17 +126,36 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, list[PromptType]],
                  sampling_params: Union[SamplingParams, list[SamplingParams], None] = None,
-                 use_tqdm: bool = True, use_cache: bool = True) -> list[RequestOutput]:
-        """Generate completions for one prompt or a list (strings or {"prompt_token_ids": [...]})."""
+                 use_tqdm: bool = True, use_cache: bool = True, batching: str = "continuous") -> list[RequestOutput]:
+        """Generate completions for one prompt or a list (strings or {"prompt_token_ids": [...]}).
+
+        batching: "continuous" (the serving engine) or "static" (the simple loop of chapters 00-02:
+        fixed batches of max_num_seqs, each decoded until its longest member ends). use_cache=False
+        recomputes everything every step (static loop only; for the KV-cache lesson).
+        """
+        if batching not in ("continuous", "static"):
+            raise ValueError(f"batching must be 'continuous' or 'static', got {batching!r}")
         requests = self._make_requests(prompts, sampling_params)
-        sequences = [seq for request in requests for seq in request["seqs"]]
         bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm or len(requests) < 2)
-        for batch in self._batches(sequences):
-            for _ in generate_static_batch(self.model, self.tokenizer, batch, self.eos_token_ids, use_cache):
-                pass
-            bar.update(sum(r["seqs"][-1] in batch for r in requests))
+        if batching == "static" or not use_cache:
+            sequences = [seq for request in requests for seq in request["seqs"]]
+            for start in range(0, len(sequences), self.max_num_seqs):
+                batch = sequences[start:start + self.max_num_seqs]
+                for _ in generate_static_batch(self.model, self.tokenizer, batch, self.eos_token_ids, use_cache):
+                    pass
+                bar.update(sum(any(r["seqs"][-1] is s for s in batch) for r in requests))
+        else:
+            try:
+                for request in requests:
+                    self.engine.add_request(request["id"], request["prompt"], request["seqs"])
+                while self.engine.has_unfinished_requests():
+                    bar.update(sum(out.finished for out in self.engine.step()))
+            except BaseException:  # a rejected request, Ctrl-C...: leave the engine clean for the next call
+                for request in requests:
+                    self.engine.abort_request(request["id"])
+                raise
         bar.close()
-        return [self._request_output(r) for r in requests]
+        return [request_output(r) for r in requests]
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              sampling_params: Union[SamplingParams, list[SamplingParams], None] = None,
@@ -114,8 +173,14 @@ class LLM:
         if params.n != 1:
             raise ValueError(f"stream() generates one completion: n must be 1, got {params.n}")
         (request,) = self._make_requests(prompt, params)
-        for _ in generate_static_batch(self.model, self.tokenizer, request["seqs"], self.eos_token_ids):
-            yield self._request_output(request)
+        self.engine.add_request(request["id"], request["prompt"], request["seqs"])
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.request_id == request["id"]:
+                        yield output
+        finally:  # the caller may stop reading early: free the request's blocks
+            self.engine.abort_request(request["id"])
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> str:
         for m in conversation:
@@ -169,17 +234,6 @@ class LLM:
                 request["seqs"].append(seq)
             requests.append(request)
         return requests
-
-    def _batches(self, seqs: list[Sequence]) -> Iterable[list[Sequence]]:
-        for start in range(0, len(seqs), self.max_num_seqs):
-            yield seqs[start:start + self.max_num_seqs]
-
-    @staticmethod
-    def _request_output(request: dict) -> RequestOutput:
-        seqs = request["seqs"]
-        finished = all(s.finished for s in seqs)
-        return RequestOutput(request["id"], request["prompt"], request["ids"], [s.to_output() for s in seqs],
-                             finished, seqs[0].metrics)
 
 
 def _sequence_seed(seed: int, index: int) -> int:

@@ -11,12 +11,12 @@ TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
-def make_tiny_checkpoint(folder, tokenizer, model_type: str, tie: bool):
+def make_tiny_checkpoint(folder, tokenizer, model_type: str, tie: bool, **overrides):
     import transformers
 
     torch.manual_seed(0)
     config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[model_type]
-    config = config_class(**TINY, tie_word_embeddings=tie, rope_theta=10000.0)
+    config = config_class(**{**TINY, **overrides}, tie_word_embeddings=tie, rope_theta=10000.0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     if model_type == "qwen2":  # make the q/k/v biases matter
         with torch.no_grad():

@@ -1,0 +1,131 @@
+"""The serving engine: requests in, one scheduled step at a time, outputs out.
+
+    engine.add_request(request_id, prompt_token_ids, sampling_params)
+    while engine.has_unfinished_requests():
+        for output in engine.step():      # RequestOutputs of the requests that moved this step
+            ...
+    engine.abort_request(request_id)      # at any time; its blocks return to the pool
+
+A step: the scheduler picks (sequence, new tokens) pairs; their tokens are packed into one row
+with positions and KV slots; one forward pass computes them all through the paged cache; the
+sequences that reached the end of what they know sample their next token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from minfer.engine.block_manager import BlockManager
+from minfer.engine.paged_kv import KVPool, PagedStep, SequenceSlice
+from minfer.engine.scheduler import Scheduler
+from minfer.layers.sampler import sample_next_tokens
+from minfer.models.llama import LlamaModel
+from minfer.outputs import RequestOutput
+from minfer.sequence import Sequence
+
+
+@dataclass
+class EngineStats:
+    computed_tokens: int = 0  # tokens run through the model (prefill chunks, recomputes, decodes)
+    steps: int = 0
+    peak_blocks_used: int = 0
+
+
+class Engine:
+    def __init__(self, model: LlamaModel, tokenizer, eos_token_ids: set[int], num_blocks: int, block_size: int = 16,
+                 max_num_seqs: int = 32, max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
+                 enable_chunked_prefill: bool = True) -> None:
+        self.model, self.tokenizer, self.eos_token_ids = model, tokenizer, eos_token_ids
+        weight = model.embed_tokens.weight
+        self.pool = KVPool(model.config, num_blocks, block_size, weight.dtype, weight.device)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
+        self.requests: dict[str, dict] = {}
+        self.stats = EngineStats()
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt: Optional[str], seqs: list[Sequence]) -> None:
+        """Queue a request: its sequences (n completions of one prompt) share the prompt."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        longest = max(len(s.prompt_token_ids) + s.max_tokens for s in seqs)
+        if self.blocks.blocks_needed(longest) > self.blocks.num_blocks:
+            raise ValueError(f"request {request_id} may need {longest} tokens of KV cache, more than the whole pool "
+                             f"({self.blocks.num_blocks} blocks of {self.blocks.block_size}): lower max_tokens or "
+                             "give the cache more memory (num_gpu_blocks_override, kv_cache_memory_bytes)")
+        self.requests[request_id] = {"id": request_id, "prompt": prompt, "ids": seqs[0].prompt_token_ids, "seqs": seqs}
+        for seq in seqs:
+            seq.request_id = request_id
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request["seqs"]:
+            if not seq.finished:
+                self.scheduler.remove(seq)
+                seq.finish_reason = "abort"
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens found in the prefix cache / prompt tokens admitted."""
+        s = self.scheduler
+        return s.cached_prompt_tokens / s.admitted_prompt_tokens if s.admitted_prompt_tokens else 0.0
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---------------------------------------------------------------- one step
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("nothing could be scheduled although requests wait: the KV pool is too small")
+            return []
+        # prefill chunks first, then the decodes, so that PagedStep serves all decodes with one gather
+        batch.sort(key=lambda item: item[1] == 1)
+        input_ids, positions, slots, slices, sample_at, sampled = [], [], [], [], [], []
+        bs = self.blocks.block_size
+        for seq, count in batch:
+            start = seq.num_computed
+            slices.append(SequenceSlice(len(input_ids), count, start + count, seq.block_table))
+            input_ids += seq.token_ids[start:start + count]
+            positions += range(start, start + count)
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + count)]
+            if start + count == len(seq.token_ids):  # it has computed all it knows: sample the next token
+                sample_at.append(len(input_ids) - 1)
+                sampled.append(seq)
+        device = self.pool.k.device
+        step = PagedStep(self.pool, slices, torch.tensor(slots, device=device))
+        logits = self.model(torch.tensor([input_ids], device=device), torch.tensor([positions], device=device), step,
+                            logits_indices=torch.tensor(sample_at, dtype=torch.long, device=device))[0]
+        for seq, count in batch:
+            seq.num_computed += count
+            self.blocks.seal_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
+        self.stats.computed_tokens += len(input_ids)
+        self.stats.steps += 1
+        self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, self.blocks.num_blocks - self.blocks.num_free_blocks)
+        touched = {}
+        if sampled:
+            tokens = sample_next_tokens(logits, [s.params for s in sampled], [s.generator for s in sampled])
+            for seq, token in zip(sampled, tokens):
+                seq.append(token, self.tokenizer, self.eos_token_ids)
+                if seq.finished:
+                    self.scheduler.remove(seq)
+                touched[seq.request_id] = self.requests[seq.request_id]
+        outputs = []
+        for request_id, request in touched.items():
+            output = request_output(request)
+            if output.finished:
+                del self.requests[request_id]
+            outputs.append(output)
+        return outputs
+
+
+def request_output(request: dict) -> RequestOutput:
+    seqs = request["seqs"]
+    return RequestOutput(request["id"], request["prompt"], request["ids"], [s.to_output() for s in seqs],
+                         all(s.finished for s in seqs), seqs[0].metrics)

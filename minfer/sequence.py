@@ -1,0 +1,74 @@
+"""One completion being generated: its prompt, settings, tokens so far, and when to stop."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from minfer.outputs import CompletionOutput, RequestMetrics
+from minfer.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)  # compared by identity
+class Sequence:
+    """One completion being generated: a prompt, its settings, and the tokens so far."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # params.max_tokens, capped by the context window
+    generator: torch.Generator
+    metrics: RequestMetrics
+    index: int = 0
+    request_id: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[object] = None
+    # where it stands in the serving engine (unused by the static loop)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_cached_prompt_tokens: int = 0  # found in the prefix cache when first admitted
+    num_preemptions: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt and output so far: what the cache must hold before the next token."""
+        return self.prompt_token_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token: int, tokenizer, eos_ids: set[int]) -> None:
+        """Add a token, update the text, and decide whether the sequence is done."""
+        now = time.perf_counter()
+        if not self.output_ids:
+            self.metrics.first_token_time = now
+        self.output_ids.append(token)
+        self.metrics.num_output_tokens = len(self.output_ids)
+        p = self.params
+        self.text = tokenizer.decode(self.output_ids, skip_special_tokens=p.skip_special_tokens)
+        if not p.ignore_eos and token in eos_ids:
+            self.finish_reason = "stop"
+        elif p.stop_token_ids and token in p.stop_token_ids:
+            self.finish_reason, self.stop_reason = "stop", token
+        elif self._truncate_at_stop_string():
+            self.finish_reason = "stop"
+        elif len(self.output_ids) >= self.max_tokens:
+            self.finish_reason = "length"
+        if self.finished:
+            self.metrics.finished_time = now
+
+    def _truncate_at_stop_string(self) -> bool:
+        hits = [(self.text.find(s), s) for s in self.params.stop_strings if s in self.text]
+        if not hits:
+            return False
+        position, stop = min(hits)
+        end = position + len(stop) if self.params.include_stop_str_in_output else position
+        self.text, self.stop_reason = self.text[:end], stop
+        return True
+
+    def to_output(self) -> CompletionOutput:
+        return CompletionOutput(self.index, self.text, list(self.output_ids), self.finish_reason, self.stop_reason)

@@ -1,0 +1,147 @@
+"""The serving engine: continuous batching equals solo runs, preemption, chunking, prefix caching, aborts."""
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minfer import LLM, SamplingParams
+
+from test_loader import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, llm):
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    make_tiny_checkpoint(folder, llm.tokenizer, "llama", True, max_position_embeddings=4096)
+    return str(folder)
+
+
+def tiny_llm(tiny_dir, **kwargs) -> LLM:
+    kwargs.setdefault("max_model_len", 256)
+    return LLM(tiny_dir, dtype="float32", device="cpu", **kwargs)
+
+
+def workload(n: int, max_prompt: int, max_out: int, seed: int = 0):
+    rng = random.Random(seed)
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 49152) for _ in range(rng.randint(1, max_prompt))]}
+               for _ in range(n)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, max_out), ignore_eos=True) for _ in range(n)]
+    return prompts, params
+
+
+def ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_continuous_batching_with_preemption_equals_solo(tiny_dir):
+    """48 requests, prompts 1-600 tokens, outputs 1-300, a pool that forces preemption."""
+    prompts, params = workload(48, 600, 300)
+    roomy = tiny_llm(tiny_dir, max_model_len=1024, num_gpu_blocks_override=2048)
+    solo = [roomy.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    tight = tiny_llm(tiny_dir, max_model_len=1024, num_gpu_blocks_override=80, block_size=16,
+                     max_num_batched_tokens=256, max_num_seqs=16)
+    batched = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.engine.scheduler.num_preemptions > 0  # the pool really was too small
+    assert ids(batched) == solo
+    assert [len(t) for t in ids(batched)] == [p.max_tokens for p in params]
+    assert tight.engine.blocks.num_free_blocks == 80  # every block came back
+
+
+def test_real_model_continuous_equals_static_and_solo(llm):
+    prompts = ["The capital of France is", "Write a haiku about autumn leaves.", "1, 2, 3, 4,", "def add(a, b):",
+               "A long time ago in a galaxy far, far away, there lived"]
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (5, 30, 12, 20, 8)]
+    continuous = llm.generate(prompts, params, use_tqdm=False)
+    static = llm.generate(prompts, params, use_tqdm=False, batching="static")
+    solo = [llm.generate(p, sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+    assert ids(continuous) == ids(static) == ids(solo)
+
+
+def test_chunked_prefill_splits_long_prompts(tiny_dir):
+    prompts, params = workload(6, 200, 20, seed=1)
+    whole = tiny_llm(tiny_dir, max_num_batched_tokens=4096, enable_chunked_prefill=False, max_model_len=4096)
+    chunked = tiny_llm(tiny_dir, max_num_batched_tokens=32)
+    assert ids(chunked.generate(prompts, params, use_tqdm=False)) == ids(whole.generate(prompts, params, use_tqdm=False))
+    assert chunked.engine.stats.steps > whole.engine.stats.steps
+
+
+def test_prefix_cache_skips_shared_prompt_blocks(tiny_dir):
+    system = [1000 + i for i in range(128)]
+    prompts = [{"prompt_token_ids": system + [2000 + i, 3000 + i]} for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    cached = tiny_llm(tiny_dir, enable_prefix_caching=True)
+    uncached = tiny_llm(tiny_dir, enable_prefix_caching=False)
+    first = cached.generate(prompts[:1], params, use_tqdm=False)  # warms the cache
+    rest_cached = cached.generate(prompts[1:], params, use_tqdm=False)
+    rest_plain = uncached.generate(prompts[1:], params, use_tqdm=False)
+    assert ids(rest_cached) == ids(rest_plain)
+    assert first and cached.engine.prefix_hit_rate > 0.8
+    assert uncached.engine.prefix_hit_rate == 0
+    assert cached.engine.stats.computed_tokens < uncached.engine.stats.computed_tokens / 3
+
+
+def test_abort_frees_blocks_and_others_finish(tiny_dir):
+    engine_llm = tiny_llm(tiny_dir, num_gpu_blocks_override=64)
+    engine = engine_llm.engine
+    requests = engine_llm._make_requests([{"prompt_token_ids": [500 + i] * 40} for i in range(3)],
+                                         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    for r in requests:
+        engine.add_request(r["id"], r["prompt"], r["seqs"])
+    engine.step()
+    engine.abort_request(requests[1]["id"])
+    assert requests[1]["seqs"][0].finish_reason == "abort"
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert sorted(finished) == sorted([requests[0]["id"], requests[2]["id"]])
+    assert engine.blocks.num_free_blocks == 64
+
+
+def test_request_too_big_for_the_pool_is_rejected(tiny_dir):
+    small = tiny_llm(tiny_dir, num_gpu_blocks_override=4, block_size=4)
+    with pytest.raises(ValueError, match="more than the whole pool"):
+        small.generate({"prompt_token_ids": [7] * 10}, SamplingParams(max_tokens=20), use_tqdm=False)
+    ok = small.generate({"prompt_token_ids": [7] * 5}, SamplingParams(max_tokens=3), use_tqdm=False)
+    assert len(ok[0].outputs[0].token_ids) == 3 and small.engine.blocks.num_free_blocks == 4
+
+
+def test_bad_engine_arguments(tiny_dir):
+    with pytest.raises(ValueError, match="block_size must be an integer >= 1"):
+        tiny_llm(tiny_dir, block_size=0)
+    with pytest.raises(ValueError, match="without chunked prefill, max_num_batched_tokens"):
+        tiny_llm(tiny_dir, enable_chunked_prefill=False, max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match="batching must be 'continuous' or 'static'"):
+        tiny_llm(tiny_dir).generate("hi", batching="dynamic")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_arrivals_and_aborts_keep_the_pool_consistent(tiny_dir, data):
+    llm = tiny_llm(tiny_dir, num_gpu_blocks_override=data.draw(st.integers(12, 40)),
+                   block_size=data.draw(st.sampled_from([2, 4, 8])),
+                   max_num_batched_tokens=data.draw(st.sampled_from([8, 32, 128])),
+                   max_num_seqs=data.draw(st.integers(1, 6)), enable_prefix_caching=data.draw(st.booleans()))
+    engine, blocks = llm.engine, llm.engine.blocks
+    live: list[dict] = []
+    for _ in range(data.draw(st.integers(1, 25))):
+        action = data.draw(st.sampled_from(["add", "add", "step", "step", "step", "abort"]))
+        if action == "add":
+            prompt = [data.draw(st.integers(100, 103))] * data.draw(st.integers(1, 20))
+            (request,) = llm._make_requests({"prompt_token_ids": prompt},
+                                            SamplingParams(temperature=0, max_tokens=data.draw(st.integers(1, 12)),
+                                                           ignore_eos=True))
+            engine.add_request(request["id"], None, request["seqs"])
+            live.append(request)
+        elif action == "abort" and live:
+            engine.abort_request(live.pop(data.draw(st.integers(0, len(live) - 1)))["id"])
+        elif engine.has_unfinished_requests():
+            engine.step()
+        blocks.check_invariants([s.block_table for s in engine.scheduler.running])
+        assert all(not s.block_table for s in engine.scheduler.waiting)
+    while engine.has_unfinished_requests():
+        engine.step()
+        blocks.check_invariants([s.block_table for s in engine.scheduler.running])
+    assert blocks.num_free_blocks == blocks.num_blocks
+    assert all(s.finished for r in live for s in r["seqs"])
