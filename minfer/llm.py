@@ -172,15 +172,32 @@ class LLM:
         params = sampling_params or SamplingParams()
         if params.n != 1:
             raise ValueError(f"stream() generates one completion: n must be 1, got {params.n}")
-        (request,) = self._make_requests(prompt, params)
-        self.engine.add_request(request["id"], request["prompt"], request["seqs"])
+        request_id = self.add_request(prompt, params)
         try:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
-                    if output.request_id == request["id"]:
+                    if output.request_id == request_id:
                         yield output
         finally:  # the caller may stop reading early: free the request's blocks
-            self.engine.abort_request(request["id"])
+            self.engine.abort_request(request_id)
+
+    # ------------------------------------------------------------------ the engine, one step at a time
+    def add_request(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None) -> str:
+        """Queue one request in the serving engine (checked first); returns its request id."""
+        (request,) = self._make_requests(prompt, sampling_params)
+        self.engine.add_request(request["id"], request["prompt"], request["seqs"])
+        return request["id"]
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the outputs of the requests that got a token in it."""
+        return self.engine.step()
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request at any point; its KV blocks go back to the pool."""
+        self.engine.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> str:
         for m in conversation:

@@ -83,20 +83,16 @@ def test_prefix_cache_skips_shared_prompt_blocks(tiny_dir):
 
 
 def test_abort_frees_blocks_and_others_finish(tiny_dir):
-    engine_llm = tiny_llm(tiny_dir, num_gpu_blocks_override=64)
-    engine = engine_llm.engine
-    requests = engine_llm._make_requests([{"prompt_token_ids": [500 + i] * 40} for i in range(3)],
-                                         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-    for r in requests:
-        engine.add_request(r["id"], r["prompt"], r["seqs"])
-    engine.step()
-    engine.abort_request(requests[1]["id"])
-    assert requests[1]["seqs"][0].finish_reason == "abort"
+    llm = tiny_llm(tiny_dir, num_gpu_blocks_override=64)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ids_ = [llm.add_request({"prompt_token_ids": [500 + i] * 40}, params) for i in range(3)]
+    llm.step()
+    llm.abort_request(ids_[1])
     finished = []
-    while engine.has_unfinished_requests():
-        finished += [o.request_id for o in engine.step() if o.finished]
-    assert sorted(finished) == sorted([requests[0]["id"], requests[2]["id"]])
-    assert engine.blocks.num_free_blocks == 64
+    while llm.has_unfinished_requests():
+        finished += [o.request_id for o in llm.step() if o.finished]
+    assert sorted(finished) == sorted([ids_[0], ids_[2]])
+    assert llm.engine.blocks.num_free_blocks == 64
 
 
 def test_request_too_big_for_the_pool_is_rejected(tiny_dir):
