@@ -277,6 +277,8 @@ def test_bad_inputs_are_named():
         paged_decode_attention(torch.zeros(1, 3, 16, device=DEVICE), k_pool, k_pool, block_tables, lens)
     with pytest.raises(ValueError, match="int32"):
         paged_decode_attention(torch.zeros(1, 2, 16, device=DEVICE), k_pool, k_pool, block_tables.long(), lens)
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 24"):
+        paged_decode_attention(torch.zeros(1, 2, 16, device=DEVICE), k_pool, k_pool, block_tables, lens, block_n=24)
     with pytest.raises(ValueError, match="q_len <= context_len"):
         paged_prefill_attention(torch.zeros(6, 2, 16, device=DEVICE), k_pool, k_pool, block_tables,
                                 torch.tensor([0, 6], dtype=torch.int32, device=DEVICE), lens)

@@ -38,7 +38,8 @@ Running the kernels
 Triton compiles for GPUs. On a CPU it can only *interpret* a kernel (numpy executes each program
 instance), which is slow but exact, and that is how the tests check the kernels without a GPU.
 The interpreter is chosen by the environment variable ``TRITON_INTERPRET=1``, read by
-``@triton.jit`` when it decorates a kernel, so it must be set before these modules are imported.
+``@triton.jit`` when it decorates a function (triton's own ``tl.max``, ``tl.sum``... included), so it
+must be set before triton is first imported.
 Every wrapper here runs its Triton kernel on CUDA tensors or under the interpreter
 (``use_triton``), and otherwise falls back to its PyTorch reference.
 """
@@ -81,6 +82,12 @@ def check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
         raise ValueError("k_pool and v_pool must have the same shape, strides and dtype")
     if k_pool.stride(-1) != 1:
         raise ValueError("the last (head_dim) axis of the pools must be contiguous")
+
+
+def check_tile(name: str, size: int) -> None:
+    """Tile sizes feed tl.arange (powers of two only) and tl.dot (at least 16 along every side on a GPU)."""
+    if size < 16 or size & (size - 1):
+        raise ValueError(f"{name} must be a power of two >= 16, got {size}")
 
 
 def check_attention_inputs(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,

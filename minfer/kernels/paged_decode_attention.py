@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.paged_cache import check_attention_inputs, gather_kv, use_triton
+from minfer.kernels.paged_cache import check_attention_inputs, check_tile, gather_kv, use_triton
 
 
 def paged_decode_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -143,6 +143,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     CUDA tensors or under TRITON_INTERPRET=1; elsewhere falls back to the reference.
     """
     group = check_attention_inputs(q, k_pool, v_pool, block_tables, context_lens)
+    check_tile("block_n", block_n)
     if not use_triton(q):
         return paged_decode_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale)
     num_seqs, num_heads, head_dim = q.shape

@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.paged_cache import check_attention_inputs, gather_kv, use_triton
+from minfer.kernels.paged_cache import check_attention_inputs, check_tile, gather_kv, use_triton
 
 
 def _check_cu_seqlens(q: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor) -> list[int]:
@@ -164,6 +164,8 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     TRITON_INTERPRET=1; elsewhere falls back to the reference.
     """
     group = check_attention_inputs(q, k_pool, v_pool, block_tables, context_lens)
+    check_tile("block_m", block_m)
+    check_tile("block_n", block_n)
     if not use_triton(q):
         return paged_prefill_attention_reference(q, k_pool, v_pool, block_tables, cu_seqlens_q, context_lens, scale)
     # Sizing the grid needs the longest chunk on the host (one sync; an engine would pass it in).
