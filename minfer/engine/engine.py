@@ -20,6 +20,7 @@ import torch
 from minfer.engine.block_manager import BlockManager
 from minfer.engine.paged_kv import KVPool, PagedStep, SequenceSlice
 from minfer.engine.scheduler import Scheduler
+from minfer.layers.attention import attention_sdpa
 from minfer.layers.sampler import sample_next_tokens
 from minfer.models.llama import LlamaModel
 from minfer.outputs import RequestOutput
@@ -36,8 +37,11 @@ class EngineStats:
 class Engine:
     def __init__(self, model: LlamaModel, tokenizer, eos_token_ids: set[int], num_blocks: int, block_size: int = 16,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True) -> None:
+                 enable_chunked_prefill: bool = True, use_kernels: Optional[bool] = None) -> None:
+        """use_kernels: attend with the Triton paged kernels. None (auto): on CUDA, unless the model's
+        attention function was replaced (a learner's function needs the gather path that calls it)."""
         self.model, self.tokenizer, self.eos_token_ids = model, tokenizer, eos_token_ids
+        self.use_kernels = use_kernels
         weight = model.embed_tokens.weight
         self.pool = KVPool(model.config, num_blocks, block_size, weight.dtype, weight.device)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
@@ -99,7 +103,10 @@ class Engine:
                 sample_at.append(len(input_ids) - 1)
                 sampled.append(seq)
         device = self.pool.k.device
-        step = PagedStep(self.pool, slices, torch.tensor(slots, device=device))
+        use_kernels = self.use_kernels
+        if use_kernels is None:
+            use_kernels = device.type == "cuda" and self.model.attention_fn is attention_sdpa
+        step = PagedStep(self.pool, slices, torch.tensor(slots, device=device), use_kernels)
         logits = self.model(torch.tensor([input_ids], device=device), torch.tensor([positions], device=device), step,
                             logits_indices=torch.tensor(sample_at, dtype=torch.long, device=device))[0]
         for seq, count in batch:

@@ -13,7 +13,8 @@ new k, v in their slots and runs attention over each sequence's whole context.
 
 On CPU, attention gathers each sequence's K/V out of the pool into a contiguous tensor and calls
 the model's attention function (the same contract as the contiguous cache: mask None means causal
-with the queries last). Decoding sequences are gathered together and served in one call.
+with the queries last). Decoding sequences are gathered together and served in one call. On CUDA
+the Triton kernels of `minfer.kernels` read the pool through the block tables instead.
 """
 from __future__ import annotations
 
@@ -53,34 +54,34 @@ class SequenceSlice:
 
 
 class PagedStep:
-    def __init__(self, pool: KVPool, slices: list[SequenceSlice], slot_mapping: torch.Tensor) -> None:
-        self.pool, self.slices, self.slot_mapping = pool, slices, slot_mapping
-        device = slot_mapping.device
+    def __init__(self, pool: KVPool, slices: list[SequenceSlice], slot_mapping: torch.Tensor,
+                 use_kernels: bool = False) -> None:
+        self.pool, self.slices, self.slot_mapping, self.use_kernels = pool, slices, slot_mapping, use_kernels
         self.prefills = [s for s in slices if s.query_len > 1]
         self.decodes = [s for s in slices if s.query_len == 1]
-        if self.decodes:  # decodes are packed after the prefills: one gather serves them all
-            width = max(len(s.block_table) for s in self.decodes)
-            tables = [s.block_table + [0] * (width - len(s.block_table)) for s in self.decodes]
-            self.decode_tables = torch.tensor(tables, device=device)
-            lens = torch.tensor([s.context_len for s in self.decodes], device=device)
-            positions = torch.arange(width * pool.block_size, device=device)
-            self.decode_mask = (positions[None] < lens[:, None])[:, None, None, :]  # [seqs, 1, 1, kv]
-            self.decode_start = self.decodes[0].query_start
+        self.decode_start = self.decodes[0].query_start if self.decodes else len(slot_mapping)
+        device = slot_mapping.device
+        if self.decodes:  # decodes are packed after the prefills: one gather (or one kernel) serves them all
+            self.decode_tables = block_tables(self.decodes, device)
+            self.decode_lens = torch.tensor([s.context_len for s in self.decodes], dtype=torch.int32, device=device)
+            positions = torch.arange(self.decode_tables.shape[1] * pool.block_size, device=device)
+            self.decode_mask = (positions[None] < self.decode_lens[:, None])[:, None, None, :]  # [seqs, 1, 1, kv]
+        if self.prefills and use_kernels:
+            self.prefill_tables = block_tables(self.prefills, device)
+            self.prefill_lens = torch.tensor([s.context_len for s in self.prefills], dtype=torch.int32, device=device)
+            starts = [s.query_start for s in self.prefills] + [self.decode_start]
+            self.prefill_cu_seqlens = torch.tensor(starts, dtype=torch.int32, device=device)
 
     def advance(self, num_tokens: int) -> None:
         """Nothing to do: positions and lengths come from the scheduler for every step."""
-
-    def _gather(self, pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        """[seqs, blocks] block ids -> [seqs, kv_heads, blocks * block_size, head_dim] keys or values."""
-        blocks = pool[tables]  # [seqs, blocks, block_size, kv_heads, head_dim]
-        seqs, nblocks, size, heads, dim = blocks.shape
-        return blocks.reshape(seqs, nblocks * size, heads, dim).transpose(1, 2)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_fn: AttentionFn,
                mask: None = None) -> torch.Tensor:
         """q [1, heads, tokens, dim], k/v [1, kv_heads, tokens, dim] of the packed new tokens -> attention output.
 
         (No mask: who sees what follows from each sequence's slice.)"""
+        if self.use_kernels:
+            return self._attend_with_kernels(layer, q, k, v)
         k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
         flat = (-1, k.shape[1], k.shape[3])
         k_pool.view(flat)[self.slot_mapping] = k[0].transpose(0, 1)
@@ -88,14 +89,46 @@ class PagedStep:
         out = torch.empty_like(q)
         for s in self.prefills:
             table = torch.tensor([s.block_table], device=q.device)
-            keys = self._gather(k_pool, table)[:, :, :s.context_len]
-            values = self._gather(v_pool, table)[:, :, :s.context_len]
+            keys = gather(k_pool, table)[:, :, :s.context_len]
+            values = gather(v_pool, table)[:, :, :s.context_len]
             query = q[:, :, s.query_start:s.query_start + s.query_len]
             out[:, :, s.query_start:s.query_start + s.query_len] = attention_fn(query, keys, values, None)
         if self.decodes:
-            keys = self._gather(k_pool, self.decode_tables)
-            values = self._gather(v_pool, self.decode_tables)
+            keys, values = gather(k_pool, self.decode_tables), gather(v_pool, self.decode_tables)
             query = q[0, :, self.decode_start:].transpose(0, 1).unsqueeze(2)  # [seqs, heads, 1, dim]
             result = attention_fn(query, keys, values, self.decode_mask)
             out[0, :, self.decode_start:] = result.squeeze(2).transpose(0, 1)
         return out
+
+    def _attend_with_kernels(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The Triton path (CUDA): write the new K/V into their slots, then read K/V straight from
+        the pool through the block tables, without gathering copies."""
+        from minfer.kernels.paged_cache import write_kv
+        from minfer.kernels.paged_decode_attention import paged_decode_attention
+        from minfer.kernels.paged_prefill_attention import paged_prefill_attention
+
+        k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
+        write_kv(k_pool, v_pool, k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous(), self.slot_mapping)
+        tokens = q[0].transpose(0, 1).contiguous()  # [tokens, heads, dim]
+        out = torch.empty_like(tokens)
+        split = self.decode_start
+        if self.prefills:
+            out[:split] = paged_prefill_attention(tokens[:split], k_pool, v_pool, self.prefill_tables,
+                                                  self.prefill_cu_seqlens, self.prefill_lens)
+        if self.decodes:
+            out[split:] = paged_decode_attention(tokens[split:], k_pool, v_pool, self.decode_tables, self.decode_lens)
+        return out.transpose(0, 1).unsqueeze(0)
+
+
+def block_tables(slices: list[SequenceSlice], device: torch.device) -> torch.Tensor:
+    """The slices' block tables as one int32 [seqs, longest] tensor (short rows padded with block 0, never read)."""
+    width = max(len(s.block_table) for s in slices)
+    return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in slices],
+                        dtype=torch.int32, device=device)
+
+
+def gather(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """[seqs, blocks] block ids -> [seqs, kv_heads, blocks * block_size, head_dim] keys or values, copied out."""
+    blocks = pool[tables.long()]  # [seqs, blocks, block_size, kv_heads, head_dim]
+    seqs, nblocks, size, heads, dim = blocks.shape
+    return blocks.reshape(seqs, nblocks * size, heads, dim).transpose(1, 2)
