@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
 # The generation benchmark on a CUDA machine that has no model file and no package index.
 #
-#   benchmarks/gpu_check.sh OUT_DIR            # writes OUT_DIR/{env.txt,bench_generate.json,bench_generate.md,bench_generate.log}
+#   benchmarks/gpu_check.sh OUT_DIR     # writes OUT_DIR/{env.txt,bench_generate.{json,md,log},kernel_tests.log,bench_kernels.{json,log}}
 #
 # Needs python with torch (CUDA build) and transformers; minfer is used from this checkout (no install).
 # The real SmolLM2 weights do not travel, so it benchmarks random weights of the same shapes, saved as a
 # Hugging Face checkpoint with a stand-in tokenizer; the prompts are token ids. Speed depends on the
-# shapes only, so the numbers compare with the real model's. Under 5 minutes.
+# shapes only, so the numbers compare with the real model's. Then (on CUDA) the Triton kernel tests and
+# their bandwidth benchmark (PEAK_GBPS, default 4800 for an H200). Under 5 minutes.
 # Overrides (used by the CPU test of this script): PYTHON, DEVICE (cuda), SHAPES (smollm2-135m),
-# BENCH_ARGS (extra arguments for `python -m minfer bench`), TIME_LIMIT (seconds, 270).
+# BENCH_ARGS (extra arguments for `python -m minfer bench`), TIME_LIMIT (seconds, 180).
 set -euo pipefail
 
 OUT=${1:?usage: benchmarks/gpu_check.sh OUT_DIR}
 PYTHON=${PYTHON:-python}
 DEVICE=${DEVICE:-cuda}
 SHAPES=${SHAPES:-smollm2-135m}
-TIME_LIMIT=${TIME_LIMIT:-270}
+TIME_LIMIT=${TIME_LIMIT:-180}
 read -r -a EXTRA <<< "${BENCH_ARGS:-}"
 
 mkdir -p "$OUT"
@@ -54,4 +55,11 @@ if [ "$status" -ne 0 ]; then
     echo "gpu_check: the benchmark failed (exit $status); see $OUT/bench_generate.log" >&2
     exit "$status"
 fi
-echo "gpu_check: results in $OUT"
+if [[ "$DEVICE" == cuda* ]]; then
+    # The Triton kernels compiled for real: against their references, then their share of bandwidth.
+    timeout 90 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tee "$OUT/kernel_tests.log" || status=$?
+    timeout 30 "$PYTHON" benchmarks/bench_kernels.py --peak-gbps "${PEAK_GBPS:-4800}" --json "$OUT/bench_kernels.json" \
+        2>&1 | tee "$OUT/bench_kernels.log" || status=$?
+fi
+echo "gpu_check: results in $OUT (exit $status)"
+exit "$status"
