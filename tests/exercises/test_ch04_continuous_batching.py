@@ -109,7 +109,6 @@ def test_admit_chunks_a_long_prompt(impl):
     assert impl.admit([5], 0, free_blocks=100, budget=0, max_num_seqs=8, block_size=16) == []
 
 
-
 @pytest.mark.parametrize("seed", range(6))
 def test_admit_equals_the_engine_scheduler_on_random_situations(impl, seed):
     gen = torch.Generator().manual_seed(seed)
