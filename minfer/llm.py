@@ -99,21 +99,29 @@ class LLM:
             raise ValueError(f"without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
                              f"max_model_len ({self.max_model_len}), or the longest prompts could never run")
         num_blocks = num_gpu_blocks_override or self._blocks_for_memory(block_size, kv_cache_memory_bytes,
-                                                                        gpu_memory_utilization)
+                                                                        gpu_memory_utilization, max_num_batched_tokens)
         self.engine = Engine(self.model, self.tokenizer, self.eos_token_ids, num_blocks, block_size, max_num_seqs,
                              max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill)
 
-    def _blocks_for_memory(self, block_size: int, memory_bytes: Optional[int], utilization: float) -> int:
+    def _blocks_for_memory(self, block_size: int, memory_bytes: Optional[int], utilization: float,
+                           step_tokens: int) -> int:
+        """How many KV blocks fit the budget. On CUDA: run one full-size step first, then give the
+        cache what is left of utilization x device memory after the weights, that step's peak
+        activations and whatever else holds device memory."""
         per_block = KVPool.bytes_per_block(self.config, block_size, self.dtype)
         if memory_bytes is None and self.device.type == "cuda":
             torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            tokens = torch.zeros(1, step_tokens, dtype=torch.long, device=self.device)
+            self.model(tokens, torch.arange(step_tokens, device=self.device)[None])
             free, total = torch.cuda.mem_get_info(self.device)
-            activations = 4 * 2**30  # headroom for the forward pass's activations and logits
-            memory_bytes = int(total * utilization) - (total - free) - activations
+            elsewhere = total - free - torch.cuda.memory_reserved(self.device)  # other processes, CUDA context
+            memory_bytes = int(total * utilization) - torch.cuda.max_memory_allocated(self.device) - elsewhere
         elif memory_bytes is None:
             memory_bytes = 2**30
         if memory_bytes < per_block:
-            raise ValueError(f"the KV cache budget ({memory_bytes} bytes) is smaller than one block ({per_block} bytes)")
+            raise ValueError(f"the KV cache budget ({memory_bytes} bytes) is smaller than one block ({per_block} bytes): "
+                             "raise gpu_memory_utilization or kv_cache_memory_bytes")
         return memory_bytes // per_block
 
     # ------------------------------------------------------------------ public API
