@@ -30,6 +30,7 @@ def main(argv=None) -> int:
     parser.add_argument("--subset", type=int, help="requests run one by one and by transformers (the first N)")
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, help="KV pool size (default: the engine's, 1 GiB on CPU)")
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--no-prefix", action="store_true", help="skip the prefix-caching experiment")
     parser.add_argument("--json", dest="json_path", help="write the results here as JSON")
@@ -42,7 +43,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     result = sb.run_serving_benchmark(model=args.model, dtype=args.dtype, quick=args.quick,
                                       transformers=not args.no_transformers, prefix=not args.no_prefix,
-                                      progress=not args.no_progress, seed=args.seed, num_requests=args.num_requests,
+                                      progress=not args.no_progress, seed=args.seed, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                                      num_requests=args.num_requests,
                                       subset=args.subset, max_num_seqs=args.max_num_seqs)
     command = "python benchmarks/bench_serving.py " + " ".join(sys.argv[1:] if argv is None else argv)
     result["command"] = command

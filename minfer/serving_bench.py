@@ -352,7 +352,7 @@ def run_prefix_experiment(llm, num_requests: int = 32, system_tokens: int = 512,
 
 def run_serving_benchmark(model: str = "smollm2-135m", dtype: str = "bfloat16", quick: bool = False,
                           transformers: bool = True, prefix: bool = True, progress: bool = True,
-                          seed: int = 0, **overrides) -> dict:
+                          seed: int = 0, kv_cache_memory_bytes: Optional[int] = None, **overrides) -> dict:
     """The serving benchmark in one process: see the module docstring. Returns a JSON-able dict."""
     from minfer.benchmark import hf_checkpoint_for, load_transformers, machine_info
     from minfer.llm import LLM
@@ -361,7 +361,8 @@ def run_serving_benchmark(model: str = "smollm2-135m", dtype: str = "bfloat16", 
     log = print if progress else (lambda *a, **k: None)
     started = time.perf_counter()
     machine = machine_info("cpu")
-    llm = LLM(model, dtype=dtype, device="cpu", max_num_seqs=settings["max_num_seqs"])
+    llm = LLM(model, dtype=dtype, device="cpu", max_num_seqs=settings["max_num_seqs"],
+              kv_cache_memory_bytes=kv_cache_memory_bytes)
     workload = make_workload(llm.tokenizer, settings["num_requests"], settings["prompt_len"], settings["output_len"], seed)
     subset = workload[:settings["subset"]]
     n_seqs = settings["max_num_seqs"]
