@@ -141,3 +141,14 @@ def test_random_arrivals_and_aborts_keep_the_pool_consistent(tiny_dir, data):
         blocks.check_invariants([s.block_table for s in engine.scheduler.running])
     assert blocks.num_free_blocks == blocks.num_blocks
     assert all(s.finished for r in live for s in r["seqs"])
+
+
+def test_pool_sized_from_a_memory_budget(tiny_dir):
+    from minfer.engine.paged_kv import KVPool
+
+    llm = tiny_llm(tiny_dir, kv_cache_memory_bytes=10 * 2**20, block_size=8)
+    per_block = KVPool.bytes_per_block(llm.config, 8, torch.float32)
+    assert llm.engine.blocks.num_blocks == 10 * 2**20 // per_block
+    assert llm.engine.pool.nbytes == llm.engine.blocks.num_blocks * per_block
+    with pytest.raises(ValueError, match="smaller than one block"):
+        tiny_llm(tiny_dir, kv_cache_memory_bytes=per_block - 1, block_size=8)
