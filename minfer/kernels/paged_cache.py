@@ -109,6 +109,21 @@ def check_attention_inputs(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                          f"got {block_tables.dtype} {tuple(block_tables.shape)} and {tuple(context_lens.shape)}")
     return num_heads // num_kv_heads
 
+@triton.jit
+def load_kv_tile(table_ptr, k_pool_ptr, v_pool_ptr, positions, token_ok, dims, dim_ok, kv_head,
+                 stride_pool_block, stride_pool_token, stride_pool_head, BLOCK_SIZE: tl.constexpr):
+    """K and V of one sequence's tokens at ``positions`` (one KV head), read through its block table.
+
+    The page-table lookup every paged kernel shares: which block holds each position and where in
+    it. Masked positions (``token_ok`` False) load zeros, so the table's padding is never an address.
+    Returns two [len(positions), len(dims)] tiles.
+    """
+    block = tl.load(table_ptr + positions // BLOCK_SIZE, mask=token_ok, other=0).to(tl.int64)
+    token = block * stride_pool_block + (positions % BLOCK_SIZE) * stride_pool_token + kv_head * stride_pool_head
+    offsets = token[:, None] + dims[None, :]
+    mask = token_ok[:, None] & dim_ok[None, :]
+    return tl.load(k_pool_ptr + offsets, mask=mask, other=0.0), tl.load(v_pool_ptr + offsets, mask=mask, other=0.0)
+
 
 def write_kv_reference(k_pool: torch.Tensor, v_pool: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.paged_cache import check_attention_inputs, check_tile, gather_kv, use_triton
+from minfer.kernels.paged_cache import check_attention_inputs, check_tile, gather_kv, load_kv_tile, use_triton
 
 
 def paged_decode_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -108,14 +108,9 @@ def _paged_decode_kernel(
     for start in range(0, context_len, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N)
         token_ok = positions < context_len
-        # Page-table lookup: which block holds each position, and where in it. Positions past the
-        # end are masked, so the table's -1 padding is never used as an address.
-        block = tl.load(table + positions // BLOCK_SIZE, mask=token_ok, other=0).to(tl.int64)
-        token = block * stride_pool_block + (positions % BLOCK_SIZE) * stride_pool_token + kv_head * stride_pool_head
-        kv_offsets = token[:, None] + dims[None, :]
-        kv_mask = token_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_pool_ptr + kv_offsets, mask=kv_mask, other=0.0)   # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_pool_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        # Page-table lookup: the K/V of these positions wherever their blocks are ([BLOCK_N, BLOCK_D]).
+        k, v = load_kv_tile(table, k_pool_ptr, v_pool_ptr, positions, token_ok, dims, dim_ok, kv_head,
+                            stride_pool_block, stride_pool_token, stride_pool_head, BLOCK_SIZE)
 
         scores = tl.dot(q, tl.trans(k)) * scale                          # [BLOCK_G, BLOCK_N], float32
         scores = tl.where(token_ok[None, :], scores, float("-inf"))

@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.paged_cache import check_attention_inputs, check_tile, gather_kv, use_triton
+from minfer.kernels.paged_cache import check_attention_inputs, check_tile, gather_kv, load_kv_tile, use_triton
 
 
 def _check_cu_seqlens(q: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor) -> list[int]:
@@ -130,12 +130,8 @@ def _paged_prefill_kernel(
     for start in range(0, kv_end, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N)
         token_ok = positions < kv_end
-        block = tl.load(table + positions // BLOCK_SIZE, mask=token_ok, other=0).to(tl.int64)
-        token = block * stride_pool_block + (positions % BLOCK_SIZE) * stride_pool_token + kv_head * stride_pool_head
-        kv_offsets = token[:, None] + dims[None, :]
-        kv_mask = token_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_pool_ptr + kv_offsets, mask=kv_mask, other=0.0)   # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_pool_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        k, v = load_kv_tile(table, k_pool_ptr, v_pool_ptr, positions, token_ok, dims, dim_ok, kv_head,
+                            stride_pool_block, stride_pool_token, stride_pool_head, BLOCK_SIZE)  # [BLOCK_N, BLOCK_D]
 
         scores = tl.dot(q, tl.trans(k)) * scale                          # [BLOCK_M, BLOCK_N], float32
         visible = token_ok[None, :] & (positions[None, :] <= query_pos[:, None])
