@@ -38,9 +38,14 @@ def main(argv=None) -> int:
     parser.add_argument("--update-docs", nargs="?", const=str(sb.DOCS_PAGE), default=None, metavar="PATH",
                         help="replace the bench_serving section of docs/benchmarks.md (or PATH)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--render", metavar="JSON", help="no run: rebuild the tables, plot and docs from a saved --json")
+    parser.add_argument("--notes", metavar="FILE", help="markdown appended to the docs section (what limits the numbers)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.render:
+        result = json.loads(Path(args.render).read_text())
+        return report(result, result["command"], args)
     result = sb.run_serving_benchmark(model=args.model, dtype=args.dtype, quick=args.quick,
                                       transformers=not args.no_transformers, prefix=not args.no_prefix,
                                       progress=not args.no_progress, seed=args.seed, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -48,12 +53,18 @@ def main(argv=None) -> int:
                                       subset=args.subset, max_num_seqs=args.max_num_seqs)
     command = "python benchmarks/bench_serving.py " + " ".join(sys.argv[1:] if argv is None else argv)
     result["command"] = command
+    return report(result, command, args)
+
+
+def report(result: dict, command: str, args: argparse.Namespace) -> int:
     markdown = sb.format_markdown(result, command)
     if args.plot:
         sb.plot(result, args.plot)
         markdown += f"\n![serving benchmark]({Path(args.plot).name})\n"
+    if args.notes:
+        markdown += "\n" + Path(args.notes).read_text()
     print(markdown)
-    if args.json_path:
+    if args.json_path and not args.render:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(result, indent=2))
     if args.update_docs:

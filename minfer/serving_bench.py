@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import random
 import tempfile
 import time
@@ -77,14 +78,23 @@ def text_tokens(tokenizer, num_tokens: int, rng: random.Random, text: Optional[s
 
 
 def make_workload(tokenizer, num_requests: int = 128, prompt_len: tuple[int, int] = (32, 384),
-                  output_len: tuple[int, int] = (16, 512), seed: int = 0) -> list[Request]:
-    """Requests with prompt and output lengths drawn uniformly from the given inclusive ranges (fixed seed)."""
+                  output_len: tuple[int, int] = (16, 512), seed: int = 0, output_dist: str = "loguniform") -> list[Request]:
+    """Requests with lengths in the given inclusive ranges (fixed seed): prompt lengths uniform, output
+    lengths log-uniform (as many between 16 and 64 as between 128 and 512: many short answers, a long
+    tail, as in chat traffic) or uniform."""
     if num_requests < 1 or not 1 <= prompt_len[0] <= prompt_len[1] or not 1 <= output_len[0] <= output_len[1]:
         raise ValueError(f"bad workload: {num_requests} requests, prompt_len {prompt_len}, output_len {output_len}")
+    if output_dist not in ("loguniform", "uniform"):
+        raise ValueError(f"output_dist must be 'loguniform' or 'uniform', got {output_dist!r}")
     rng, text = random.Random(seed), corpus_text()
+    lo, hi = output_len
     requests = []
     for _ in range(num_requests):
-        plen, olen = rng.randint(*prompt_len), rng.randint(*output_len)
+        plen = rng.randint(*prompt_len)
+        if output_dist == "uniform":
+            olen = rng.randint(lo, hi)
+        else:
+            olen = min(hi, int(math.exp(rng.uniform(math.log(lo), math.log(hi + 1)))))
         requests.append(Request(text_tokens(tokenizer, plen, rng, text), olen))
     return requests
 
@@ -116,7 +126,12 @@ def summarize(engine: str, per_request: Sequence[dict], wall_s: float, **extra) 
             "output_tokens_per_s": tokens / wall_s, "requests_per_s": len(per_request) / wall_s,
             "ttft": latency_stats([r["ttft"] for r in per_request]),
             "tpot": latency_stats([r["tpot"] for r in per_request]),
-            "ttfts": [r["ttft"] for r in per_request], **extra}
+            "ttfts": [r["ttft"] for r in per_request], "load_1min_after": _load(), **extra}
+
+
+def _load() -> Optional[float]:
+    """The 1-minute load average (other work on the machine slows every phase it overlaps)."""
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
 
 
 def _metrics_rows(outputs) -> list[dict]:
@@ -327,7 +342,7 @@ def run_prefix_case(llm, prompts: list[list[int]], max_tokens: int, enable_prefi
     ttfts = [o.metrics.ttft for o in outputs]
     return {"case": name, "prefix_caching": enable_prefix_caching, "requests": len(prompts),
             "prompt_tokens": prompt_tokens, "prefill_tokens_computed": prefill, "hit_rate": engine.prefix_hit_rate,
-            "ttft": latency_stats(ttfts), "ttfts": ttfts, "wall_s": wall,
+            "ttft": latency_stats(ttfts), "ttfts": ttfts, "wall_s": wall, "load_1min_after": _load(),
             "preemptions": engine.scheduler.num_preemptions}
 
 
@@ -454,7 +469,7 @@ def format_markdown(result: dict, command: Optional[str] = None) -> str:
         f"max_num_seqs {s['max_num_seqs']}, max_num_batched_tokens {s['max_num_batched_tokens']}  ",
         f"Workload: {s['num_requests']} requests, prompts of {s['prompt_len'][0]}–{s['prompt_len'][1]} tokens cut from "
         f"`pydoc_data.topics` (the Python docs shipped with CPython), outputs of {s['output_len'][0]}–{s['output_len'][1]} "
-        f"tokens (uniform, seed {s['seed']}): {s['workload_prompt_tokens']} prompt and {s['workload_output_tokens']} "
+        f"tokens (log-uniform: many short, a long tail; seed {s['seed']}): {s['workload_prompt_tokens']} prompt and {s['workload_output_tokens']} "
         f"output tokens. **Subset** rows ran only the first {s['subset']} requests (one by one and transformers are too "
         "slow for all of them here): compare their *rates*, not their totals.",
         "",
@@ -470,6 +485,9 @@ def format_markdown(result: dict, command: Optional[str] = None) -> str:
         lines.append(f"| {name} | {r['requests']} | {r['output_tokens_per_s']:.1f} | {r['requests_per_s']:.3f} "
                      f"| {_ms(t['mean'])} / {_ms(t['p50'])} / {_ms(t['p99'])} | {_ms(p['mean'])} / {_ms(p['p50'])} / "
                      f"{_ms(p['p99'])} | {kv} | {hit} |")
+    loads = [f"{r['engine']} {r['load_1min_after']}" for r in result["rows"] if r.get("load_1min_after") is not None]
+    if loads:
+        lines += ["", "Load average (1 min) at the end of each run, on " + f"{m['cores']} cores: " + "; ".join(loads) + "."]
     ra = result["ratios"]
     lines += ["", "Ratios of output tokens/s:", "",
               f"- continuous (all requests) / one by one (subset): {_check(ra['continuous_vs_sequential'], TARGETS['continuous_vs_sequential'])}; "
