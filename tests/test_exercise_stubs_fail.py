@@ -20,7 +20,8 @@ def public_functions(module) -> dict:
 
 
 def test_there_are_chapters():
-    assert {"ch00_measure", "ch01_model", "ch02_kv_cache"} <= set(CHAPTERS)
+    assert {"ch00_measure", "ch01_model", "ch02_kv_cache", "ch03_paged_attention", "ch04_continuous_batching",
+            "ch05_prefix_caching"} <= set(CHAPTERS)
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS)
