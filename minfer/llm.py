@@ -14,15 +14,15 @@ from typing import Iterator, Optional, Union
 import torch
 from tqdm.auto import tqdm
 
-from minfer.engine.engine import Engine, request_output
+from minfer.engine.engine import Engine
 from minfer.engine.paged_kv import KVPool
 from minfer.generate import generate_static_batch
-from minfer.sequence import Sequence
 from minfer.layers.attention import AttentionFn, get_attention_fn
 from minfer.models.llama import LlamaModel
 from minfer.models.loader import DEFAULT_MODEL, load_model
 from minfer.outputs import RequestMetrics, RequestOutput
 from minfer.sampling_params import SamplingParams
+from minfer.sequence import Request, Sequence
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
@@ -146,24 +146,24 @@ class LLM:
         requests = self._make_requests(prompts, sampling_params)
         bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm or len(requests) < 2)
         if batching == "static" or not use_cache:
-            sequences = [seq for request in requests for seq in request["seqs"]]
+            sequences = [seq for request in requests for seq in request.seqs]
             for start in range(0, len(sequences), self.max_num_seqs):
                 batch = sequences[start:start + self.max_num_seqs]
                 for _ in generate_static_batch(self.model, self.tokenizer, batch, self.eos_token_ids, use_cache):
                     pass
-                bar.update(sum(any(r["seqs"][-1] is s for s in batch) for r in requests))
+                bar.update(sum(any(r.seqs[-1] is s for s in batch) for r in requests))
         else:
             try:
                 for request in requests:
-                    self.engine.add_request(request["id"], request["prompt"], request["seqs"])
+                    self.engine.add_request(request)
                 while self.engine.has_unfinished_requests():
                     bar.update(sum(out.finished for out in self.engine.step()))
             except BaseException:  # a rejected request, Ctrl-C...: leave the engine clean for the next call
                 for request in requests:
-                    self.engine.abort_request(request["id"])
+                    self.engine.abort_request(request.request_id)
                 raise
         bar.close()
-        return [request_output(r) for r in requests]
+        return [r.to_output() for r in requests]
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              sampling_params: Union[SamplingParams, list[SamplingParams], None] = None,
@@ -193,8 +193,8 @@ class LLM:
     def add_request(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None) -> str:
         """Queue one request in the serving engine (checked first); returns its request id."""
         (request,) = self._make_requests(prompt, sampling_params)
-        self.engine.add_request(request["id"], request["prompt"], request["seqs"])
-        return request["id"]
+        self.engine.add_request(request)
+        return request.request_id
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs of the requests that got a token in it."""
@@ -231,7 +231,7 @@ class LLM:
                              "and at least one must be left to generate")
         return text, ids
 
-    def _make_requests(self, prompts, sampling_params) -> list[dict]:
+    def _make_requests(self, prompts, sampling_params) -> list[Request]:
         """Check every prompt and parameter first, so one bad request fails before any work starts."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -252,11 +252,9 @@ class LLM:
             room = self.max_model_len - len(ids)
             max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
             base_seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_stream))
-            request = {"id": str(self._request_counter - 1), "prompt": text, "ids": ids, "seqs": []}
-            for index in range(params.n):
-                seq = Sequence(ids, params, max_tokens, torch.Generator().manual_seed(_sequence_seed(base_seed, index)),
-                               RequestMetrics(arrival, num_prompt_tokens=len(ids)), index)
-                request["seqs"].append(seq)
+            seqs = [Sequence(ids, params, max_tokens, torch.Generator().manual_seed(_sequence_seed(base_seed, index)),
+                             RequestMetrics(arrival, num_prompt_tokens=len(ids)), index) for index in range(params.n)]
+            request = Request(str(self._request_counter - 1), text, ids, seqs)
             requests.append(request)
         return requests
 

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from minfer.outputs import CompletionOutput, RequestMetrics
+from minfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minfer.sampling_params import SamplingParams
 
 
@@ -72,3 +72,22 @@ class Sequence:
 
     def to_output(self) -> CompletionOutput:
         return CompletionOutput(self.index, self.text, list(self.output_ids), self.finish_reason, self.stop_reason)
+
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt and its n completions (n > 1 only when SamplingParams.n asks for more)."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [s.to_output() for s in self.seqs],
+                             self.finished, self.seqs[0].metrics)

@@ -128,10 +128,10 @@ def test_random_arrivals_and_aborts_keep_the_pool_consistent(tiny_dir, data):
             (request,) = llm._make_requests({"prompt_token_ids": prompt},
                                             SamplingParams(temperature=0, max_tokens=data.draw(st.integers(1, 12)),
                                                            ignore_eos=True))
-            engine.add_request(request["id"], None, request["seqs"])
+            engine.add_request(request)
             live.append(request)
         elif action == "abort" and live:
-            engine.abort_request(live.pop(data.draw(st.integers(0, len(live) - 1)))["id"])
+            engine.abort_request(live.pop(data.draw(st.integers(0, len(live) - 1))).request_id)
         elif engine.has_unfinished_requests():
             engine.step()
         blocks.check_invariants([s.block_table for s in engine.scheduler.running])
@@ -140,7 +140,7 @@ def test_random_arrivals_and_aborts_keep_the_pool_consistent(tiny_dir, data):
         engine.step()
         blocks.check_invariants([s.block_table for s in engine.scheduler.running])
     assert blocks.num_free_blocks == blocks.num_blocks
-    assert all(s.finished for r in live for s in r["seqs"])
+    assert all(s.finished for r in live for s in r.seqs)
 
 
 def test_pool_sized_from_a_memory_budget(tiny_dir):

@@ -1,6 +1,6 @@
 """The serving engine: requests in, one scheduled step at a time, outputs out.
 
-    engine.add_request(request_id, prompt_token_ids, sampling_params)
+    engine.add_request(request)           # a minfer.sequence.Request (LLM.add_request makes one)
     while engine.has_unfinished_requests():
         for output in engine.step():      # RequestOutputs of the requests that moved this step
             ...
@@ -24,7 +24,7 @@ from minfer.layers.attention import attention_sdpa
 from minfer.layers.sampler import sample_next_tokens
 from minfer.models.llama import LlamaModel
 from minfer.outputs import RequestOutput
-from minfer.sequence import Sequence
+from minfer.sequence import Request
 
 
 @dataclass
@@ -46,29 +46,29 @@ class Engine:
         self.pool = KVPool(model.config, num_blocks, block_size, weight.dtype, weight.device)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
-        self.requests: dict[str, dict] = {}
+        self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
 
     # ---------------------------------------------------------------- requests
-    def add_request(self, request_id: str, prompt: Optional[str], seqs: list[Sequence]) -> None:
+    def add_request(self, request: Request) -> None:
         """Queue a request: its sequences (n completions of one prompt) share the prompt."""
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        longest = max(len(s.prompt_token_ids) + s.max_tokens for s in seqs)
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        longest = max(len(s.prompt_token_ids) + s.max_tokens for s in request.seqs)
         if self.blocks.blocks_needed(longest) > self.blocks.num_blocks:
-            raise ValueError(f"request {request_id} may need {longest} tokens of KV cache, more than the whole pool "
-                             f"({self.blocks.num_blocks} blocks of {self.blocks.block_size}): lower max_tokens or "
+            raise ValueError(f"request {request.request_id} may need {longest} tokens of KV cache, more than the whole "
+                             f"pool ({self.blocks.num_blocks} blocks of {self.blocks.block_size}): lower max_tokens or "
                              "give the cache more memory (num_gpu_blocks_override, kv_cache_memory_bytes)")
-        self.requests[request_id] = {"id": request_id, "prompt": prompt, "ids": seqs[0].prompt_token_ids, "seqs": seqs}
-        for seq in seqs:
-            seq.request_id = request_id
+        self.requests[request.request_id] = request
+        for seq in request.seqs:
+            seq.request_id = request.request_id
             self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
         if request is None:
             return
-        for seq in request["seqs"]:
+        for seq in request.seqs:
             if not seq.finished:
                 self.scheduler.remove(seq)
                 seq.finish_reason = "abort"
@@ -125,14 +125,7 @@ class Engine:
                 touched[seq.request_id] = self.requests[seq.request_id]
         outputs = []
         for request_id, request in touched.items():
-            output = request_output(request)
-            if output.finished:
+            if request.finished:
                 del self.requests[request_id]
-            outputs.append(output)
+            outputs.append(request.to_output())
         return outputs
-
-
-def request_output(request: dict) -> RequestOutput:
-    seqs = request["seqs"]
-    return RequestOutput(request["id"], request["prompt"], request["ids"], [s.to_output() for s in seqs],
-                         all(s.finished for s in seqs), seqs[0].metrics)
