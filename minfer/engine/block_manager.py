@@ -30,9 +30,14 @@ class Block:
     token_ids: tuple[int, ...] = field(default=())
 
 
+ROOT_HASH = 0x6D696E66  # the "parent" of a sequence's first block (hash(None) would change from run to run)
+
+
 def block_hash(token_ids: tuple[int, ...], parent_hash: Optional[int]) -> int:
-    """Names a full block by everything before it and its own tokens (int tuples hash deterministically)."""
-    return hash((parent_hash, token_ids))
+    """Names a full block by everything before it and its own tokens (None: the first block).
+
+    Tuples of ints hash the same in every process, so the names are stable across runs."""
+    return hash((ROOT_HASH if parent_hash is None else parent_hash, token_ids))
 
 
 class BlockManager:
