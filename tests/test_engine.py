@@ -152,3 +152,31 @@ def test_pool_sized_from_a_memory_budget(tiny_dir):
     assert llm.engine.pool.nbytes == llm.engine.blocks.num_blocks * per_block
     with pytest.raises(ValueError, match="smaller than one block"):
         tiny_llm(tiny_dir, kv_cache_memory_bytes=per_block - 1, block_size=8)
+
+
+def test_a_failing_request_does_not_take_the_others_down(tiny_dir):
+    llm = tiny_llm(tiny_dir, num_gpu_blocks_override=64)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    good = [llm.add_request({"prompt_token_ids": [300 + i] * 9}, params) for i in range(2)]
+    bad = llm.add_request({"prompt_token_ids": [400] * 9}, params)
+    broken = llm.engine.requests[bad].seqs[0]
+
+    def explode(*args, **kwargs):
+        raise RuntimeError("detokenizer exploded")
+
+    broken.append = explode
+    finished = {}
+    while llm.has_unfinished_requests():
+        finished.update({o.request_id: o for o in llm.step() if o.finished})
+    assert finished[bad].outputs[0].finish_reason == "error"
+    assert "detokenizer exploded" in finished[bad].outputs[0].stop_reason
+    assert all(len(finished[g].outputs[0].token_ids) == 6 for g in good)
+    assert llm.engine.blocks.num_free_blocks == 64
+
+
+def test_aborting_unknown_or_finished_requests_is_harmless(tiny_dir):
+    llm = tiny_llm(tiny_dir, num_gpu_blocks_override=64)
+    done = llm.generate({"prompt_token_ids": [5] * 4}, SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    llm.abort_request(done.request_id)
+    llm.abort_request("no-such-request")
+    assert llm.engine.blocks.num_free_blocks == 64 and not llm.has_unfinished_requests()

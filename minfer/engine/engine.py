@@ -73,6 +73,14 @@ class Engine:
                 self.scheduler.remove(seq)
                 seq.finish_reason = "abort"
 
+    def _fail(self, request: Request, exc: Exception) -> None:
+        """End a request whose processing raised: finish_reason "error", the message as stop_reason."""
+        self.requests.pop(request.request_id, None)
+        for seq in request.seqs:
+            if not seq.finished:
+                self.scheduler.remove(seq)
+                seq.finish_reason, seq.stop_reason = "error", f"{type(exc).__name__}: {exc}"
+
     @property
     def prefix_hit_rate(self) -> float:
         """Prompt tokens found in the prefix cache / prompt tokens admitted."""
@@ -116,16 +124,21 @@ class Engine:
         self.stats.steps += 1
         self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, self.blocks.num_blocks - self.blocks.num_free_blocks)
         touched = {}
-        if sampled:
-            tokens = sample_next_tokens(logits, [s.params for s in sampled], [s.generator for s in sampled])
-            for seq, token in zip(sampled, tokens):
+        for row, seq in enumerate(sampled):
+            if seq.request_id not in self.requests:  # its request failed earlier in this loop
+                continue
+            touched[seq.request_id] = self.requests[seq.request_id]
+            try:
+                (token,) = sample_next_tokens(logits[row:row + 1], [seq.params], [seq.generator])
                 seq.append(token, self.tokenizer, self.eos_token_ids)
-                if seq.finished:
-                    self.scheduler.remove(seq)
-                touched[seq.request_id] = self.requests[seq.request_id]
+            except Exception as exc:  # one broken request must not take the batch down
+                self._fail(touched[seq.request_id], exc)
+                continue
+            if seq.finished:
+                self.scheduler.remove(seq)
         outputs = []
         for request_id, request in touched.items():
             if request.finished:
-                del self.requests[request_id]
+                self.requests.pop(request_id, None)
             outputs.append(request.to_output())
         return outputs
