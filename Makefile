@@ -23,8 +23,11 @@ lab: setup
 	$(BIN)/jupyter lab notebooks/
 
 # Notebooks run with the worked solutions plugged in (MINFER_IMPL=solutions) and are compared by nbval.
+# Two test processes (one torch thread each); --dist loadfile keeps each notebook's cells in order.
+TEST_WORKERS ?= 2
 test: setup
-	MINFER_IMPL=solutions $(BIN)/python -m pytest -q tests notebooks --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg --durations=15
+	MINFER_IMPL=solutions $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests notebooks \
+		--nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg --durations=15
 
 demo: setup
 	$(BIN)/python -m minfer demo

@@ -1,4 +1,3 @@
-import os
 
 import pytest
 import torch
@@ -35,4 +34,7 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    torch.set_num_threads(max(1, min(os.cpu_count() or 1, 4)))
+    # One torch thread per test process: decode is memory-bound (a second thread buys little), tiny
+    # test models are too small to split, and two threads slow down 10x when the other core is busy.
+    # The Makefile runs two test processes instead (pytest-xdist), one per core.
+    torch.set_num_threads(1)

@@ -22,15 +22,6 @@ def tiny_dir(tmp_path_factory, llm) -> str:
     return str(folder)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: a tiny model gains nothing from two, and a busy second core makes two much slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_dir) -> LLM:
     return LLM(tiny_dir, dtype="float32", device="cpu", max_num_seqs=4, kv_cache_memory_bytes=2**22)
