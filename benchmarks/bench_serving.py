@@ -5,7 +5,10 @@
 
 Also measures KV memory waste (contiguous vs paged) and prefix caching (shared system prompt with
 and without the cache, the shared part placed last, passages in a stable vs shuffled order).
-The logic lives in `minfer/serving_bench.py` (the course notebooks call it too).
+The logic lives in `minfer/serving_bench.py` (the course notebooks call it too). `benchmarks/serving_notes.md`
+holds the written analysis (what falls short and why); to rebuild the docs from a saved run without rerunning:
+
+    python benchmarks/bench_serving.py --render serving.json --notes benchmarks/serving_notes.md --update-docs --plot docs/serving.png
 """
 from __future__ import annotations
 
