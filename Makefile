@@ -23,10 +23,12 @@ lab: setup
 	$(BIN)/jupyter lab notebooks/
 
 # Notebooks run with the worked solutions plugged in (MINFER_IMPL=solutions) and are compared by nbval.
-# Two test processes (one torch thread each); --dist loadfile keeps each notebook's cells in order.
+# Two test processes with one torch thread each (OMP_NUM_THREADS reaches the notebooks' kernels too:
+# two threads per process on two busy cores wait on each other); --dist loadfile keeps each
+# notebook's cells in order.
 TEST_WORKERS ?= 2
 test: setup
-	MINFER_IMPL=solutions $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests notebooks \
+	MINFER_IMPL=solutions OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests notebooks \
 		--nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg --durations=15
 
 demo: setup

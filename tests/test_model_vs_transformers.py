@@ -13,6 +13,7 @@ PROMPTS = [
     "Once upon a time, in a small village,",
     "The three primary colors are",
     "To make a cup of tea, first",
+    "import numpy as np\n\n# compute the mean of a list",
 ]
 
 
