@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "from minfer.models.loader import resolve_model_path; print('model:', resolve_model_path('smollm2-135m'))"
 	touch $(STAMP)
 
+# (Jupyter refuses to run as root unless told: containers often are root.)
 lab: setup
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # Notebooks run with the worked solutions plugged in (MINFER_IMPL=solutions) and are compared by nbval.
 # Two test processes with one torch thread each (OMP_NUM_THREADS reaches the notebooks' kernels too:
