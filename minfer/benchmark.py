@@ -226,15 +226,18 @@ def time_minfer(llm, prompts: Sequence[Union[str, TokenIds]], max_tokens: int = 
         raise ValueError("max_tokens must be >= 2: TPOT needs a token after the first")
     batch = _batch_of([_as_ids(p, llm.tokenizer) for p in prompts], batch_size)
     requests = [{"prompt_token_ids": ids} for ids in batch]
-    old_max_num_seqs = llm.max_num_seqs
-    llm.max_num_seqs = max(old_max_num_seqs, len(batch))  # one static batch, whatever the default
+    scheduler, blocks = llm.engine.scheduler, llm.engine.blocks
+    saved = scheduler.max_num_seqs, blocks.enable_prefix_caching
+    # The whole batch runs together, and every prompt is computed in full: with the prefix cache on,
+    # the warm-up (or an earlier repeat) would leave the prompts cached and TTFT would measure nothing.
+    scheduler.max_num_seqs, blocks.enable_prefix_caching = max(saved[0], len(batch)), False
     try:
         if warmup:
             llm.generate(requests, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         outputs = llm.generate(requests, params, use_tqdm=False)
     finally:
-        llm.max_num_seqs = old_max_num_seqs
+        scheduler.max_num_seqs, blocks.enable_prefix_caching = saved
     counts = {o.metrics.num_output_tokens for o in outputs}
     if counts != {max_tokens}:
         raise RuntimeError(f"minfer generated {sorted(counts)} tokens per sequence, expected {max_tokens}")

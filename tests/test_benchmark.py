@@ -201,3 +201,13 @@ def test_gpu_check_script_runs_on_cpu_with_tiny_shapes(tmp_path):
     assert result["machine"]["device"] == "cpu" and "tiny" in result["model"]
     assert "Command: `python -m minfer bench --random-weights tiny" in (tmp_path / "out" / "bench_generate.md").read_text()
     assert "torch" in (tmp_path / "out" / "env.txt").read_text()
+
+
+def test_time_minfer_computes_every_prompt_token(tiny_llm):
+    """The warm-up must not leave the prompts in the prefix cache, or TTFT would time a cache hit."""
+    prompts = bm.make_prompts(tiny_llm.config.vocab_size, 2, 40)
+    scheduler = tiny_llm.engine.scheduler
+    cached_before = scheduler.cached_prompt_tokens
+    bm.time_minfer(tiny_llm, prompts, max_tokens=3, batch_size=2)
+    assert scheduler.cached_prompt_tokens == cached_before
+    assert tiny_llm.engine.blocks.enable_prefix_caching  # restored afterwards
