@@ -66,6 +66,8 @@ class PagedStep:
             self.decode_lens = torch.tensor([s.context_len for s in self.decodes], dtype=torch.int32, device=device)
             positions = torch.arange(self.decode_tables.shape[1] * pool.block_size, device=device)
             self.decode_mask = (positions[None] < self.decode_lens[:, None])[:, None, None, :]  # [seqs, 1, 1, kv]
+        # built once per step, not once per layer
+        self.prefill_rows = [torch.tensor([s.block_table], device=device) for s in self.prefills]
         if self.prefills and use_kernels:
             self.prefill_tables = block_tables(self.prefills, device)
             self.prefill_lens = torch.tensor([s.context_len for s in self.prefills], dtype=torch.int32, device=device)
@@ -87,8 +89,7 @@ class PagedStep:
         k_pool.view(flat)[self.slot_mapping] = k[0].transpose(0, 1)
         v_pool.view(flat)[self.slot_mapping] = v[0].transpose(0, 1)
         out = torch.empty_like(q)
-        for s in self.prefills:
-            table = torch.tensor([s.block_table], device=q.device)
+        for s, table in zip(self.prefills, self.prefill_rows):
             keys = gather(k_pool, table)[:, :, :s.context_len]
             values = gather(v_pool, table)[:, :, :s.context_len]
             query = q[:, :, s.query_start:s.query_start + s.query_len]
