@@ -14,6 +14,7 @@ import torch
 from minfer.kv_cache import KVCache
 from minfer.layers.attention import causal_mask
 from minfer.layers.sampler import sample_next_tokens
+from minfer.logprobs import logprobs_of
 from minfer.models.llama import LlamaModel
 from minfer.sequence import Sequence
 
@@ -50,12 +51,19 @@ def generate_static_batch(model: LlamaModel, tokenizer, seqs: list[Sequence], eo
     ids, positions, valid = padded_batch(seqs, device)
     steps = max(s.max_tokens for s in seqs)
     cache = KVCache(model.config, len(seqs), ids.shape[1] + steps, model.embed_tokens.weight.dtype, device) if use_cache else None
-    logits = model(ids, positions, cache, attention_mask(valid, ids.shape[1]))
+    scored = [row for row, s in enumerate(seqs) if s.needs_prompt_logits]  # rows that asked for prompt_logprobs
+    logits = model(ids, positions, cache, attention_mask(valid, ids.shape[1]), last_only=not scored)
+    for row in scored:  # a prompt of n tokens fills the last n columns; the last column predicts the output
+        s, longest = seqs[row], ids.shape[1]
+        s.prompt_logprobs += logprobs_of(logits[row, longest - len(s.prompt_token_ids):longest - 1],
+                                         s.prompt_token_ids[1:], s.params.prompt_logprobs, tokenizer)
     all_ids = ids
     for _ in range(steps):
         tokens = sample_next_tokens(logits[:, -1], [s.params for s in seqs], [s.generator for s in seqs])
-        for s, token in zip(seqs, tokens):
+        for row, (s, token) in enumerate(zip(seqs, tokens)):
             if not s.finished:
+                if s.logprobs is not None:  # of the raw distribution, before temperature and top-k/p
+                    s.add_logprobs(logprobs_of(logits[row, -1:], [token], s.params.logprobs, tokenizer)[0])
                 s.append(token, tokenizer, eos_ids)
         yield seqs
         if all(s.finished for s in seqs):

@@ -4,6 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from minfer.logprobs import Logprob
+
+# vLLM's shapes: one {token id: Logprob} dict per generated token; per prompt token, with None
+# for the first (nothing comes before it to predict it from)
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[Optional[dict[int, Logprob]]]
+
 
 @dataclass
 class RequestMetrics:
@@ -42,6 +49,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: Optional[str] = None  # "stop" (EOS or stop string) or "length"
     stop_reason: Optional[object] = None  # the stop string or token id that ended it
+    logprobs: Optional[SampleLogprobs] = None  # when SamplingParams.logprobs is set
+    cumulative_logprob: Optional[float] = None  # sum of the generated tokens' logprobs (same condition)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -55,3 +64,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(repr=False, default=None)
+    prompt_logprobs: Optional[PromptLogprobs] = None  # when SamplingParams.prompt_logprobs is set

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from minfer.logprobs import MAX_LOGPROBS
+
 
 @dataclass
 class SamplingParams:
@@ -15,7 +17,9 @@ class SamplingParams:
     this request, so its samples do not depend on what else is in the batch. stop: strings that
     end the output (not included unless include_stop_str_in_output). stop_token_ids: extra
     tokens that end it. ignore_eos: keep going past the end-of-sequence token.
-    max_tokens: the most tokens to generate. logprobs: also return the top-k log-probabilities.
+    max_tokens: the most tokens to generate. logprobs: for each generated token, also return its
+    log-probability and those of the `logprobs` most likely tokens (0: the sampled token only;
+    None: nothing). prompt_logprobs: the same for every prompt token (see `minfer.logprobs`).
     """
 
     n: int = 1
@@ -30,6 +34,8 @@ class SamplingParams:
     max_tokens: Optional[int] = 16
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -50,6 +56,10 @@ class SamplingParams:
             raise bad("max_tokens", self.max_tokens, "an integer >= 1 (or None: up to the context window)")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", self.seed, "an integer or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, value, f"None or an integer in [0, {MAX_LOGPROBS}] (0: only the chosen token)")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
             raise bad("stop", self.stop, "a non-empty string or a list of them")

@@ -31,6 +31,29 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_cached_prompt_tokens: int = 0  # found in the prefix cache when first admitted
     num_preemptions: int = 0
+    # speculative decoding: draft tokens this step's pass verifies (not output until accepted)
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: Optional[torch.Tensor] = None  # the draft's distributions [tokens, vocab]; None: one-hot guesses
+    # log-probabilities, only when the request asks (None otherwise; see minfer.logprobs)
+    logprobs: Optional[list] = None
+    cumulative_logprob: Optional[float] = None
+    prompt_logprobs: Optional[list] = None  # on completion 0 only: the n completions share one prompt
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None:
+            self.logprobs, self.cumulative_logprob = [], 0.0
+        if self.params.prompt_logprobs is not None and self.index == 0:
+            self.prompt_logprobs = [None]  # the first prompt token has nothing before it
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Some prompt positions still lack their logprobs: their logits must be computed (no cache hits)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    def add_logprobs(self, entry: dict) -> None:
+        """Record the logprobs of the token just sampled (appended by `append`)."""
+        self.logprobs.append(entry)
+        self.cumulative_logprob += next(iter(entry.values())).logprob  # the sampled token comes first
 
     @property
     def token_ids(self) -> list[int]:
@@ -71,7 +94,8 @@ class Sequence:
         return True
 
     def to_output(self) -> CompletionOutput:
-        return CompletionOutput(self.index, self.text, list(self.output_ids), self.finish_reason, self.stop_reason)
+        return CompletionOutput(self.index, self.text, list(self.output_ids), self.finish_reason, self.stop_reason,
+                                None if self.logprobs is None else list(self.logprobs), self.cumulative_logprob)
 
 
 
@@ -89,5 +113,6 @@ class Request:
         return all(s.finished for s in self.seqs)
 
     def to_output(self) -> RequestOutput:
+        prompt_logprobs = self.seqs[0].prompt_logprobs
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [s.to_output() for s in self.seqs],
-                             self.finished, self.seqs[0].metrics)
+                             self.finished, self.seqs[0].metrics, None if prompt_logprobs is None else list(prompt_logprobs))

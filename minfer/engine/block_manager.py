@@ -77,12 +77,13 @@ class BlockManager:
         block.ref_count += 1
 
     # ---------------------------------------------------------------- the sequence's life
-    def cached_prefix(self, token_ids: list[int]) -> list[Block]:
+    def cached_prefix(self, token_ids: list[int], use_cache: bool = True) -> list[Block]:
         """The longest run of full blocks at the start of token_ids that memory already holds.
 
         At least one token is always left to compute: the model must produce logits for the last one.
+        use_cache=False: no hits for this sequence (it needs the logits of every prompt position).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not use_cache:
             return []
         hits, parent = [], None
         usable = (len(token_ids) - 1) // self.block_size
@@ -95,16 +96,16 @@ class BlockManager:
             hits.append(self.blocks[block_id])
         return hits
 
-    def can_allocate(self, token_ids: list[int]) -> bool:
-        hits = self.cached_prefix(token_ids)
+    def can_allocate(self, token_ids: list[int], use_cache: bool = True) -> bool:
+        hits = self.cached_prefix(token_ids, use_cache)
         revived = sum(b.ref_count == 0 for b in hits)  # cached but free: taking them uses free blocks
         return self.blocks_needed(len(token_ids)) - len(hits) + revived <= self.num_free_blocks
 
-    def allocate(self, token_ids: list[int]) -> tuple[list[int], int]:
+    def allocate(self, token_ids: list[int], use_cache: bool = True) -> tuple[list[int], int]:
         """Blocks for a new sequence's tokens. Returns (block table, number of tokens already cached)."""
-        if not self.can_allocate(token_ids):
+        if not self.can_allocate(token_ids, use_cache):
             raise OutOfBlocks(f"{self.blocks_needed(len(token_ids))} blocks needed, {self.num_free_blocks} free")
-        hits = self.cached_prefix(token_ids)
+        hits = self.cached_prefix(token_ids, use_cache)
         for block in hits:
             self._share(block)
         table = [b.block_id for b in hits]

@@ -51,9 +51,19 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq.block_table)
         seq.num_computed = 0
+        seq.spec_token_ids.clear()  # recomputed from scratch: it drafts again afterwards
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def _fit_draft(self, seq: Sequence, budget: int) -> None:
+        """Speculative decoding: a verification pass (last token + drafts) must run whole, and drafts
+        are optional, so cut them to what the token budget and the free blocks allow instead of
+        preempting anyone for them."""
+        keep = max(0, min(len(seq.spec_token_ids), budget - 1))
+        while keep and not self.blocks.can_append(len(seq.token_ids) + keep, seq.block_table):
+            keep -= 1
+        del seq.spec_token_ids[keep:]
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         """The next step's batch: (sequence, number of new tokens to compute) pairs."""
@@ -63,7 +73,9 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running:  # preempted below to make room for an older one
                 continue
-            todo = min(len(seq.token_ids) - seq.num_computed, budget)
+            if seq.spec_token_ids:
+                self._fit_draft(seq, budget)
+            todo = min(len(seq.token_ids) + len(seq.spec_token_ids) - seq.num_computed, budget)
             if todo <= 0:
                 break
             while not self.blocks.can_append(seq.num_computed + todo, seq.block_table):
@@ -80,14 +92,15 @@ class Scheduler:
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             tokens = seq.token_ids
-            cached = len(self.blocks.cached_prefix(tokens)) * self.blocks.block_size
+            use_cache = not seq.needs_prompt_logits  # cached positions have no logits to score the prompt with
+            cached = len(self.blocks.cached_prefix(tokens, use_cache)) * self.blocks.block_size
             todo = len(tokens) - cached
             if todo > budget and not self.enable_chunked_prefill:
                 break
-            if not self.blocks.can_allocate(tokens):
+            if not self.blocks.can_allocate(tokens, use_cache):
                 break
             self.waiting.popleft()
-            seq.block_table, seq.num_computed = self.blocks.allocate(tokens)
+            seq.block_table, seq.num_computed = self.blocks.allocate(tokens, use_cache)
             if seq.num_preemptions == 0:  # a first admission, not a recompute
                 seq.num_cached_prompt_tokens = seq.num_computed
                 self.admitted_prompt_tokens += len(seq.prompt_token_ids)
