@@ -1,0 +1,98 @@
+"""Speculative decoding: guess cheaply, check expensively, keep exactly the target's distribution.
+
+At batch size 1 a decode step is bound by reading the weights, not by arithmetic, so the target
+can score k+1 positions in one pass for about the price of one. A cheap proposer guesses k
+tokens; the target verifies them all at once; the accepted ones plus one more token come out
+of a single target pass.
+
+    proposer.py    the interface: propose(seqs, num_tokens) -> [(token ids, draft probs or None)]
+    ngram.py       prompt lookup: continue the latest earlier match of the last n tokens
+    draft_model.py a small model with the same vocabulary, with a per-sequence KV cache
+    rejection.py   the acceptance rule (lossless) and greedy verification
+    stats.py       acceptance rate, mean acceptance length, acceptance per position
+
+    LLM("smollm2-135m", speculative_model="[ngram]", num_speculative_tokens=4)
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from minfer.models.llama import LlamaModel
+from minfer.spec.draft_model import DraftModelProposer
+from minfer.spec.ngram import NgramProposer, ngram_lookup
+from minfer.spec.proposer import Proposal, Proposer
+from minfer.spec.rejection import greedy_verify, processed_probs, rejection_sample, verify
+from minfer.spec.stats import SpecDecodeStats
+
+MAX_SPECULATIVE_TOKENS = 16
+
+__all__ = ["Proposer", "Proposal", "NgramProposer", "DraftModelProposer", "SpecDecodeStats", "make_proposer",
+           "ngram_lookup", "rejection_sample", "greedy_verify", "processed_probs", "verify"]
+
+
+def check_speculative_args(speculative_model, num_speculative_tokens) -> None:
+    if (speculative_model is None) != (num_speculative_tokens is None):
+        raise ValueError("speculative_model and num_speculative_tokens go together: give both (e.g. "
+                         "speculative_model='[ngram]', num_speculative_tokens=4) or neither, got "
+                         f"{speculative_model!r} and {num_speculative_tokens!r}")
+    if speculative_model is None:
+        return
+    if not isinstance(speculative_model, (str, os.PathLike, LlamaModel)):
+        raise ValueError("speculative_model must be '[ngram]', a model name or path, or a LlamaModel, "
+                         f"got {type(speculative_model).__name__}")
+    if (not isinstance(num_speculative_tokens, int) or isinstance(num_speculative_tokens, bool)
+            or not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):
+        raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
+                         f"got {num_speculative_tokens!r}")
+
+
+def make_proposer(speculative_model, target: LlamaModel, tokenizer, max_model_len: int, dtype: torch.dtype,
+                  device: torch.device) -> Optional[Proposer]:
+    """'[ngram]' -> NgramProposer; a LlamaModel, a model name/path, or a shipped draft name
+    (minfer.distill, e.g. 'smollm2-135m-draft') -> DraftModelProposer; None -> None."""
+    if speculative_model is None:
+        return None
+    if speculative_model == "[ngram]":
+        return NgramProposer()
+    if isinstance(speculative_model, LlamaModel):
+        draft = speculative_model
+    else:
+        draft = _load_draft(str(speculative_model), target, tokenizer, dtype, device)
+    _check_draft(draft, target, max_model_len)
+    return DraftModelProposer(draft, target.config.vocab_size)
+
+
+def _load_draft(name: str, target: LlamaModel, tokenizer, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+    from minfer.models.loader import KNOWN_MODELS, load_model
+
+    if name in KNOWN_MODELS or os.path.exists(name):
+        loaded = load_model(name, dtype)
+        if loaded.tokenizer is not None and loaded.tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise ValueError(f"speculative_model {name!r} has a different tokenizer from the target's: "
+                             "the draft must share the target's vocabulary")
+        return LlamaModel.from_weights(loaded.config, loaded.weights, dtype, device)
+    try:
+        from minfer.distill import load_draft  # the shipped distilled drafts (chapter 08)
+    except ImportError as exc:
+        raise ValueError(f"speculative_model {name!r} is not '[ngram]', a known model, a path, or a shipped draft "
+                         "(minfer.distill is not available)") from exc
+    return load_draft(name, target, dtype, device)
+
+
+def _check_draft(draft: LlamaModel, target: LlamaModel, max_model_len: int) -> None:
+    head = getattr(draft, "head_token_ids", None)
+    vocab = target.config.vocab_size
+    if head is None and draft.config.vocab_size != vocab:
+        raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size} tokens) differs from the target's "
+                         f"({vocab}): a draft must use the target's tokenizer")
+    if head is not None and (head.ndim != 1 or head.numel() != draft.lm_head.weight.shape[0]
+                             or int(head.min()) < 0 or int(head.max()) >= vocab):
+        raise ValueError(f"the draft's head_token_ids must be one target token id in [0, {vocab}) per output row")
+    if draft.config.max_position_embeddings < max_model_len:
+        raise ValueError(f"the draft handles {draft.config.max_position_embeddings} positions, fewer than the target's "
+                         f"context window ({max_model_len}): lower max_model_len")
+    if draft.embed_tokens.weight.device != target.embed_tokens.weight.device:
+        raise ValueError("the draft and the target must be on the same device")

@@ -1,0 +1,29 @@
+"""The proposer interface: whatever guesses the next few tokens for the target to check.
+
+A proposer looks at each sequence's tokens so far and returns up to k guesses per sequence,
+with the probabilities it drew them from (None when it is deterministic: n-gram lookup, or a
+draft model decoding greedily). The verifier (`minfer.spec.rejection`) treats None as a
+one-hot distribution on the guessed token, which is exactly what a deterministic guess is.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from minfer.sequence import Sequence
+
+# (draft token ids, their draft distributions [len(tokens), vocab] or None for one-hot guesses)
+Proposal = tuple[list[int], Optional[torch.Tensor]]
+
+
+class Proposer:
+    """Base class: subclasses implement `propose`. A proposer may return fewer tokens than asked
+    (even none: the sequence then decodes one token the ordinary way)."""
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
+        """Up to num_tokens[i] draft tokens for seqs[i], one Proposal per sequence."""
+        raise NotImplementedError
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence is done: forget any state kept for it (a draft model's KV cache)."""
