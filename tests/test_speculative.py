@@ -1,0 +1,295 @@
+"""Speculative decoding is lossless: greedy output equals plain greedy token for token, and sampled
+output follows the target's exact distribution (checked against enumerated probabilities, with a
+negative control showing that a wrong acceptance rule fails the same bound)."""
+import dataclasses
+import math
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from minfer import LLM, SamplingParams
+from minfer.engine.engine import Engine
+from minfer.models.llama import LlamaModel
+from minfer.models.loader import load_model
+from minfer.spec import DraftModelProposer, NgramProposer, ngram_lookup, rejection_sample
+
+from test_loader import make_tiny_checkpoint
+
+VOCAB = 512  # tiny models: a small vocabulary keeps the sampling test fast and enumerable
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, llm):
+    folder = tmp_path_factory.mktemp("tiny_spec")
+    make_tiny_checkpoint(folder, llm.tokenizer, "llama", False, vocab_size=VOCAB, max_position_embeddings=512)
+    return str(folder)
+
+
+def tiny_llm(tiny_dir, **kwargs) -> LLM:
+    return LLM(tiny_dir, dtype="float32", device="cpu", max_model_len=512, **kwargs)
+
+
+def perturb(model, scale: float, noise: float, seed: int) -> None:
+    """Sharpen the output head (random models are nearly uniform) and add noise (a draft that
+    resembles the target without equalling it)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+        for param in model.parameters():
+            param.add_(noise * param.abs().mean() * torch.randn(param.shape, generator=gen))
+
+
+def run_engine(llm, prompts, params, proposer=None, k=0, num_blocks=512, block_size=16, **kwargs):
+    """Run requests through a fresh engine around llm's model; check the blocks all come back."""
+    engine = Engine(llm.model, llm.tokenizer, llm.eos_token_ids, num_blocks, block_size, proposer=proposer,
+                    num_speculative_tokens=k, **kwargs)
+    requests = llm._make_requests(prompts, params)
+    for request in requests:
+        engine.add_request(request)
+    while engine.has_unfinished_requests():
+        engine.step()
+        running = engine.scheduler.running
+        engine.blocks.check_invariants([s.block_table for s in running])
+        for s in running:  # no block is kept for rejected drafts
+            assert len(s.block_table) <= engine.blocks.blocks_needed(len(s.token_ids) + len(s.spec_token_ids))
+    engine.blocks.check_invariants([])
+    assert engine.blocks.num_free_blocks == num_blocks
+    return [r.to_output().outputs[0] for r in requests], engine
+
+
+def grounded_prompts(llm):
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    return [llm.apply_chat_template([{"role": "user", "content": f"Repeat this text exactly:\n\n{topics[t][:250]}"}])
+            for t in ("assert", "pass")]
+
+
+# ------------------------------------------------------------------ the pieces
+def test_ngram_lookup():
+    tokens = [5, 1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3]
+    assert ngram_lookup(tokens, 2) == [7, 8]  # the latest earlier "1 2 3", not the first
+    assert ngram_lookup(tokens, 5) == [7, 8, 1, 2, 3]
+    assert ngram_lookup([4, 5, 6, 1, 4, 5, 6], 3, max_n=4) == [1, 4, 5]  # n=4 fails, n=3 matches
+    assert ngram_lookup([1, 2, 3, 4], 3) == []  # the last token never occurred before
+    assert ngram_lookup([7, 7], 3) == [7]  # a match must leave at least one token after it
+    assert ngram_lookup([3], 2) == []
+    assert ngram_lookup([1, 2, 9, 2], 2, max_n=2, min_n=2) == []  # only "2" repeats: shorter than min_n
+
+
+def total_variation(counts: Counter, probs: torch.Tensor, n: int) -> float:
+    return 0.5 * sum(abs(counts.get(i, 0) / n - float(probs[i])) for i in range(len(probs)))
+
+
+def expected_tv_noise(probs: torch.Tensor, n: int) -> float:
+    """E[TV] of n exact samples is about sum_i sqrt(p_i (1 - p_i) / (2 pi n)) (half-normal means)."""
+    return sum(math.sqrt(float(p) * (1 - float(p)) / (2 * math.pi * n)) for p in probs)
+
+
+def sample_first_two(rule, p0, p1, q, n, seed=0):
+    """Draw a draft of 2 tokens from q, verify with `rule`; the first emitted token and, when the
+    first draft was accepted, the second."""
+    gen = torch.Generator().manual_seed(seed)
+    first, second = Counter(), Counter()
+    target = torch.stack([p0, p1, p1])
+    for _ in range(n):
+        drafts = [int(torch.multinomial(q, 1, generator=gen)) for _ in range(2)]
+        out = rule(drafts, torch.stack([q, q]), target, gen)
+        first[out[0]] += 1
+        if len(out) > 1:
+            second[out[1]] += 1
+    return first, second
+
+
+def always_accept(drafts, q, target, gen):  # wrong: emits the draft's distribution
+    return drafts + [int(torch.multinomial(target[-1], 1, generator=gen))]
+
+
+def resample_from_target(drafts, q, target, gen):  # wrong: the right test, then the wrong distribution
+    for i, t in enumerate(drafts):
+        if torch.rand((), generator=gen) * q[i][t] >= target[i][t]:
+            return drafts[:i] + [int(torch.multinomial(target[i], 1, generator=gen))]
+    return drafts + [int(torch.multinomial(target[-1], 1, generator=gen))]
+
+
+def test_rejection_sampling_is_lossless_and_wrong_rules_are_caught():
+    p0 = torch.tensor([0.30, 0.02, 0.20, 0.05, 0.15, 0.08, 0.00, 0.20])
+    p1 = torch.tensor([0.05, 0.40, 0.05, 0.10, 0.05, 0.05, 0.25, 0.05])
+    q = torch.tensor([0.05, 0.30, 0.05, 0.30, 0.05, 0.05, 0.15, 0.05])  # overlaps the target only partly
+    n = 12000
+    bound = 3 * expected_tv_noise(p0, n)  # about 0.03
+    first, second = sample_first_two(rejection_sample, p0, p1, q, n)
+    assert total_variation(first, p0, n) < bound
+    m = sum(second.values())
+    assert m > 2000 and total_variation(second, p1, m) < 3 * expected_tv_noise(p1, m)
+    for wrong in (always_accept, resample_from_target):  # the same bound must reject a wrong rule
+        first, _ = sample_first_two(wrong, p0, p1, q, n)
+        assert total_variation(first, p0, n) > 2 * bound, wrong.__name__
+
+
+def test_rejection_sampling_with_one_hot_guesses():
+    """n-gram guesses carry no distribution: accepted with probability p(guess), else resampled
+    from p without the guess."""
+    p = torch.tensor([0.1, 0.6, 0.3])
+    gen = torch.Generator().manual_seed(1)
+    n = 6000
+    counts = Counter(rejection_sample([1], None, torch.stack([p, p]), gen)[0] for _ in range(n))
+    assert total_variation(counts, p, n) < 3 * expected_tv_noise(p, n)
+
+
+# ------------------------------------------------------------------ the engine, sampling
+def exact_joint(model, prompt, top_k, length):
+    """The target's exact probability of every top-k continuation of `length` tokens."""
+    from minfer.spec import processed_probs
+
+    params = SamplingParams(temperature=1.0, top_k=top_k)
+    joint = {(): 1.0}
+    for _ in range(length):
+        grown = {}
+        for seq, prob in joint.items():
+            ids = torch.tensor([prompt + list(seq)])
+            probs = processed_probs(model(ids, torch.arange(ids.shape[1])[None])[0], params)[0]
+            for token in torch.nonzero(probs).flatten().tolist():
+                grown[seq + (token,)] = prob * float(probs[token])
+        joint = grown
+    return joint
+
+
+def test_sampled_speculation_matches_the_target_distribution(tiny_dir):
+    """Temperature 1, top-k 3, a draft that differs from the target: the empirical law of the
+    first three output tokens (one from the prefill, two from a verification pass with 2 drafts)
+    matches the target's exact enumerated law."""
+    llm = tiny_llm(tiny_dir, speculative_model=tiny_dir, num_speculative_tokens=2, max_num_seqs=256)
+    perturb(llm.model, 60.0, 0.0, 0)
+    perturb(llm.engine.proposer.model, 60.0, 0.1, 1)
+    prompt = [17, 250, 3, 99, 401]
+    n = 2000
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=4, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
+    counts = Counter(tuple(o.outputs[0].token_ids[:3]) for o in outputs)
+    exact = exact_joint(llm.model, prompt, 3, 3)
+    keys = sorted(exact)
+    probs = torch.tensor([exact[k] for k in keys])
+    tv = 0.5 * (sum(abs(counts.get(k, 0) / n - exact[k]) for k in keys) + sum(c for k, c in counts.items() if k not in exact) / n)
+    assert tv < 3 * expected_tv_noise(probs, n)
+    stats = llm.engine.spec_stats
+    assert 0.2 < stats.draft_acceptance_rate < 0.9  # both paths ran: accepts and residual resamples
+    assert stats.acceptance_rate_per_position[1] < stats.acceptance_rate_per_position[0]
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+# ------------------------------------------------------------------ the engine, greedy
+def test_greedy_ngram_and_drafts_equal_plain_greedy(llm, random_draft):
+    """SmolLM2 as the target: n-gram lookup, the target as its own draft (accepts everything) and an
+    unrelated tiny draft (accepts almost nothing) all give the plain greedy tokens, two at a time."""
+    prompts = grounded_prompts(llm)
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (24, 16)]
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    ngram, engine = run_engine(llm, prompts, params, NgramProposer(), 4)
+    assert [o.token_ids for o in ngram] == plain
+    assert engine.spec_stats.num_accepted_tokens > 0
+    own, engine = run_engine(llm, prompts[:1], params[:1], DraftModelProposer(llm.model, llm.config.vocab_size), 3)
+    assert own[0].token_ids == plain[0]
+    assert engine.spec_stats.draft_acceptance_rate == 1.0
+    assert engine.stats.steps < len(plain[0]) / 2  # several tokens per pass
+    other, engine = run_engine(llm, prompts[:1], params[:1], DraftModelProposer(random_draft, llm.config.vocab_size), 2)
+    assert other[0].token_ids == plain[0]
+    assert engine.spec_stats.draft_acceptance_rate < 0.5
+
+
+@pytest.fixture(scope="module")
+def random_draft(tmp_path_factory, llm):
+    """A tiny random Llama over SmolLM2's vocabulary with a reduced output head: it proposes only
+    among the 2000 tokens of `head_token_ids` (as a draft trained on frequent tokens would)."""
+    folder = tmp_path_factory.mktemp("tiny_draft")
+    make_tiny_checkpoint(folder, llm.tokenizer, "llama", False, max_position_embeddings=8192)
+    loaded = load_model(str(folder), torch.float32)
+    loaded.weights["lm_head.weight"] = loaded.weights["lm_head.weight"][:2000]
+    config = dataclasses.replace(loaded.config, vocab_size=llm.config.vocab_size)
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    model.lm_head = torch.nn.Linear(config.hidden_size, 2000, bias=False)
+    model = model.to_empty(device="cpu")
+    model.rope = type(model.rope)(config.head_dim, config.max_position_embeddings, config.rope_theta)
+    model.load_weights(loaded.weights)
+    model.head_token_ids = torch.arange(2000) * 20  # spread over the vocabulary
+    return model.eval()
+
+
+def test_concurrent_speculation_equals_solo_and_respects_stops(llm):
+    prompts = grounded_prompts(llm)
+    plain = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0]
+    stop_token, stop_text = plain.token_ids[9], llm.tokenizer.decode(plain.token_ids[14:16])
+    params = [SamplingParams(temperature=0, max_tokens=7), SamplingParams(temperature=0, max_tokens=20, stop=stop_text),
+              SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_token])]
+    expected = [o.outputs[0] for o in llm.generate([prompts[0]] * 3, params, use_tqdm=False)]
+    together, _ = run_engine(llm, [prompts[0]] * 3, params, NgramProposer(), 6)
+    for got, want in zip(together, expected):
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == \
+               (want.token_ids, want.text, want.finish_reason, want.stop_reason)
+    assert len(together[0].token_ids) == 7 and together[2].token_ids[-1] == stop_token
+
+
+def test_tight_pool_with_preemption_equals_plain(tiny_dir):
+    """Many sequences, small blocks, a pool too small: drafts get cut, sequences preempted, prefix
+    blocks sealed mid-speculation; the output still equals plain greedy and only accepted tokens
+    ever reach the prefix cache."""
+    llm = tiny_llm(tiny_dir)
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))]} for _ in range(12)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 60), ignore_eos=True) for _ in prompts]
+    plain, _ = run_engine(llm, prompts, params, num_blocks=400, block_size=4)
+    draft = tiny_llm(tiny_dir).model
+    perturb(draft, 1.0, 0.05, 2)
+    spec, engine = run_engine(llm, prompts, params, DraftModelProposer(draft, VOCAB), 4, num_blocks=40, block_size=4,
+                              max_num_seqs=8, max_num_batched_tokens=32)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert engine.scheduler.num_preemptions > 0
+    assert 0 < engine.spec_stats.draft_acceptance_rate < 1
+    finals = [p["prompt_token_ids"] + o.token_ids for p, o in zip(prompts, spec)]
+    for block in engine.blocks.blocks:  # every sealed block holds a real run of some sequence's tokens
+        if block.hash is not None:
+            assert any(tuple(f[i:i + 4]) == block.token_ids for f in finals for i in range(0, len(f) - 3, 4))
+
+
+# ------------------------------------------------------------------ the API
+def test_llm_speculative_api_and_metrics(tiny_dir):
+    llm = tiny_llm(tiny_dir, speculative_model="[ngram]", num_speculative_tokens=3)
+    plain = tiny_llm(tiny_dir)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]}
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == \
+        plain.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    stats = llm.engine.spec_stats.as_dict()
+    assert stats["num_draft_tokens"] >= stats["num_accepted_tokens"] > 0
+    assert stats["mean_acceptance_length"] == 1 + stats["num_accepted_tokens"] / stats["num_drafts"]
+    assert len(stats["acceptance_rate_per_position"]) == 3
+
+
+def test_bad_speculative_arguments(tiny_dir, tmp_path, llm):
+    for kwargs, match in [(dict(speculative_model="[ngram]"), "go together"),
+                          (dict(num_speculative_tokens=3), "go together"),
+                          (dict(speculative_model="[ngram]", num_speculative_tokens=0), r"integer in \[1, 16\]"),
+                          (dict(speculative_model="[ngram]", num_speculative_tokens=17), r"integer in \[1, 16\]"),
+                          (dict(speculative_model="[ngram]", num_speculative_tokens=True), r"integer in \[1, 16\]"),
+                          (dict(speculative_model="[ngram]", num_speculative_tokens=2.0), r"integer in \[1, 16\]"),
+                          (dict(speculative_model=3, num_speculative_tokens=2), "speculative_model must be")]:
+        with pytest.raises(ValueError, match=match):
+            tiny_llm(tiny_dir, **kwargs)
+    with pytest.raises(ValueError, match="no-such-draft"):
+        tiny_llm(tiny_dir, speculative_model="no-such-draft", num_speculative_tokens=2)
+    other = tmp_path / "other_vocab"
+    make_tiny_checkpoint(other, llm.tokenizer, "llama", False, vocab_size=VOCAB + 64, max_position_embeddings=512)
+    with pytest.raises(ValueError, match="vocabulary"):
+        tiny_llm(tiny_dir, speculative_model=str(other), num_speculative_tokens=2)
+    short = tmp_path / "short_context"
+    make_tiny_checkpoint(short, llm.tokenizer, "llama", False, vocab_size=VOCAB, max_position_embeddings=64)
+    with pytest.raises(ValueError, match="64 positions"):
+        tiny_llm(tiny_dir, speculative_model=str(short), num_speculative_tokens=2)
+    spec = tiny_llm(tiny_dir, speculative_model="[ngram]", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="logprobs"):
+        spec.generate({"prompt_token_ids": [1, 2]}, SamplingParams(logprobs=1), use_tqdm=False)
+    with pytest.raises(ValueError, match="serving engine"):
+        spec.generate({"prompt_token_ids": [1, 2]}, SamplingParams(), use_tqdm=False, batching="static")
