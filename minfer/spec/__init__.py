@@ -15,6 +15,7 @@ of a single target pass.
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Optional
 
@@ -68,7 +69,7 @@ def make_proposer(speculative_model, target: LlamaModel, tokenizer, max_model_le
 def _load_draft(name: str, target: LlamaModel, tokenizer, dtype: torch.dtype, device: torch.device) -> LlamaModel:
     from minfer.models.loader import KNOWN_MODELS, load_model
 
-    if name in KNOWN_MODELS or os.path.exists(name):
+    if name in KNOWN_MODELS or (os.path.exists(name) and not _is_draft_folder(name)):
         loaded = load_model(name, dtype)
         if loaded.tokenizer is not None and loaded.tokenizer.get_vocab() != tokenizer.get_vocab():
             raise ValueError(f"speculative_model {name!r} has a different tokenizer from the target's: "
@@ -80,6 +81,15 @@ def _load_draft(name: str, target: LlamaModel, tokenizer, dtype: torch.dtype, de
         raise ValueError(f"speculative_model {name!r} is not '[ngram]', a known model, a path, or a shipped draft "
                          "(minfer.distill is not available)") from exc
     return load_draft(name, target, dtype, device)
+
+
+def _is_draft_folder(path: str) -> bool:
+    """A folder written by minfer.distill.save_draft (its config.json lists the head's token ids)."""
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return False
+    with open(config) as f:
+        return "head_token_ids" in json.load(f)
 
 
 def _check_draft(draft: LlamaModel, target: LlamaModel, max_model_len: int) -> None:
