@@ -1,0 +1,144 @@
+"""Weight-only quantized matmuls: dequantize inside the kernel, never in memory.
+
+The problem
+-----------
+A decode step multiplies a handful of activation rows ``x [M, K]`` (M = the batch, often 1..32) by
+every weight matrix ``W [N, K]`` of the model. Each weight is used M times per step, so for small M
+the step's time is the time to *read* the weights: it is memory-bound. Storing W as int8 (1 byte
+per weight) or packed int4 (half a byte plus a scale and a minimum per group) reads 2x or ~3.6x
+fewer bytes than bfloat16, and that is the whole speed-up weight-only quantization can give.
+
+The reference
+-------------
+``int8_matmul_reference`` and ``int4_matmul_reference`` do the obvious thing: rebuild the float
+matrix (``minfer.quant.weights.dequantize_*``), then ``x @ W.T``. Correct, but it writes a full
+float copy of W and reads it back: more memory traffic than the unquantized model, not less.
+
+The kernels
+-----------
+One program per ``[BLOCK_M, BLOCK_N]`` tile of the output. It walks K in steps of ``BLOCK_K``,
+loads the activation tile and the *quantized* weight tile, turns the weight tile into floats in
+registers, and accumulates ``tl.dot(x, w.T)`` in float32. The float weights exist only in
+registers, one tile at a time; memory is read in the small format.
+
+- int8: the scale is per output channel (per row of W), so it factors out of the sum over K:
+  ``sum_k x[m,k] * q[n,k] * s[n] = s[n] * sum_k x[m,k] * q[n,k]``. The loop multiplies by the bare
+  integers and each output is scaled once at the end.
+- int4: the byte holding column k sits at ``k // 2``; shifting right by ``4 * (k % 2)`` and masking
+  with 0xF extracts the nibble. The scale and minimum change every ``group_size`` columns, so they
+  cannot be factored out; ``BLOCK_K`` divides the group size, so each K step lies inside one group
+  and needs one scale and one minimum per row: ``w = q * scale + min``.
+
+``tl.dot`` needs at least 16 rows on a GPU, so a decode step's single row is padded to
+``BLOCK_M = 16`` and masked; in a memory-bound kernel the wasted multiply-adds cost nothing.
+Each wrapper runs its Triton kernel on CUDA tensors or under TRITON_INTERPRET=1 (see
+``paged_cache.py``), and otherwise falls back to its PyTorch reference.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minfer.kernels.paged_cache import use_triton
+from minfer.quant.weights import dequantize_int4, dequantize_int8
+
+
+def int8_matmul_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ (q int8 [N, K] * scale [N, 1]).T -> [..., N] in x's dtype, computed in float32."""
+    return (x.float() @ dequantize_int8(q, scale).T).to(x.dtype)
+
+
+def int4_matmul_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                          minimum: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ W.T with W = unpacked q * scale + min per group -> [..., N] in x's dtype (float32 math)."""
+    return (x.float() @ dequantize_int4(packed, scale, minimum).T).to(x.dtype)
+
+
+@triton.jit
+def _int8_matmul_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K,
+                        stride_xm, stride_wn, stride_om,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        q = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0)
+        # int8 values are exact in every float format (bfloat16 holds integers up to 256).
+        acc += tl.dot(x, tl.trans(q.to(x.dtype)))
+    scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0)
+    acc = acc * scale[None, :]  # the per-row scale, applied once per output instead of once per weight
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _int4_matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, K,
+                        stride_xm, stride_wn, stride_sn, stride_om,
+                        GROUP_SIZE: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):  # K is a multiple of GROUP_SIZE, itself a multiple of BLOCK_K
+        ks = start + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None], other=0.0)
+        # Two neighbouring columns read the same byte; the shift picks the low or the high nibble.
+        byte = tl.load(w_ptr + cols[:, None] * stride_wn + (ks // 2)[None, :], mask=col_ok[:, None], other=0)
+        q = (byte.to(tl.int32) >> ((ks % 2) * 4)[None, :]) & 0xF
+        group = start // GROUP_SIZE
+        scale = tl.load(scale_ptr + cols * stride_sn + group, mask=col_ok, other=0.0).to(tl.float32)
+        minimum = tl.load(min_ptr + cols * stride_sn + group, mask=col_ok, other=0.0).to(tl.float32)
+        w = q.to(tl.float32) * scale[:, None] + minimum[:, None]  # [BLOCK_N, BLOCK_K], only in registers
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _launch_shape(x: torch.Tensor, n: int, block_m: int, block_n: int):
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(x2.shape[0], block_m), triton.cdiv(n, block_n))
+    return x2, out, grid
+
+
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *,
+                block_m: int = 16, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+    """The Triton kernel for ``int8_matmul_reference`` (same arguments, same result within float rounding).
+
+    q must be contiguous int8 [N, K] and scale float32 [N]. The block sizes are tuning knobs
+    (powers of two, at least 16). Falls back to the reference off CUDA without TRITON_INTERPRET=1.
+    """
+    if not use_triton(x):
+        return int8_matmul_reference(x, q, scale)
+    n, k = q.shape
+    x2, out, grid = _launch_shape(x, n, block_m, block_n)
+    _int8_matmul_kernel[grid](x2, q, scale, out, x2.shape[0], n, k, x2.stride(0), q.stride(0), out.stride(0),
+                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, *,
+                block_m: int = 16, block_n: int = 64, block_k: int = 32) -> torch.Tensor:
+    """The Triton kernel for ``int4_matmul_reference`` (same arguments, same result within float rounding).
+
+    packed: contiguous uint8 [N, K // 2]; scale, minimum: float16 [N, K // group_size]. block_k must
+    divide the group size (32 divides every allowed one). Falls back to the reference off CUDA
+    without TRITON_INTERPRET=1.
+    """
+    n, k = packed.shape[0], packed.shape[1] * 2
+    group_size = k // scale.shape[1]
+    if group_size % block_k:
+        raise ValueError(f"block_k ({block_k}) must divide the group size ({group_size})")
+    if not use_triton(x):
+        return int4_matmul_reference(x, packed, scale, minimum)
+    x2, out, grid = _launch_shape(x, n, block_m, block_n)
+    _int4_matmul_kernel[grid](x2, packed, scale, minimum, out, x2.shape[0], n, k,
+                              x2.stride(0), packed.stride(0), scale.stride(0), out.stride(0),
+                              GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out.reshape(*x.shape[:-1], n)

@@ -1,0 +1,226 @@
+"""Quantized linear layers, and `quantize_model`, which puts them into a loaded model in place.
+
+    model = LlamaModel.from_weights(...)
+    quantize_model(model, "int4", group_size=64)     # or LLM("smollm2-135m", quantization="int4")
+
+What gets quantized
+-------------------
+The four matrices of every decoder layer (``qkv_proj``, ``o_proj``, ``gate_up_proj``,
+``down_proj``) in the chosen format, and the output head ``lm_head`` in int8 for both formats:
+the head's errors land directly on the logits, and llama.cpp's 4-bit formats keep it at higher
+precision for the same reason. The embedding table stays exact: a step reads one row of it per
+token, so its size costs memory but no bandwidth. In a tied model (SmolLM2) the head is then a
+separate int8 copy of the embedding matrix: memory grows by that copy (49152 x 576 bytes, 28 MB)
+while every decode step reads 28 MB instead of 57 MB (bfloat16) or 113 MB (float32) for the head.
+
+Which matmul runs (``backend``)
+-------------------------------
+- ``"reference"``: dequantize the whole matrix, then matmul (``minfer.kernels.quant_matmul``).
+- ``"torch"``: PyTorch's own CPU kernels (``minfer.quant.torch_ops``), bfloat16 activations.
+- ``"triton"``: our kernels that dequantize tile by tile inside the matmul (CUDA).
+- ``"auto"`` (default): ``"triton"`` on CUDA, ``"torch"`` on CPU; a layer the CPU int4 kernel
+  cannot take (out_features not a multiple of 16) falls back to ``"reference"`` and says why in
+  its ``fallback_reason``.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import nn
+
+from minfer.kernels.quant_matmul import int4_matmul, int4_matmul_reference, int8_matmul, int8_matmul_reference
+from minfer.quant.torch_ops import dequantize_int4_cpu, int4_cpu_unsupported, int4_mm_cpu, int8_mm_cpu, pack_int4_for_cpu
+from minfer.quant.weights import (INT4_GROUP_SIZES, dequantize_int4, dequantize_int8, pack_int4,
+                                  quantize_int4_groupwise, quantize_int8_per_channel)
+
+QUANTIZATION_METHODS = ("int8", "int4")
+BACKENDS = ("auto", "reference", "torch", "triton")
+LAYER_LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown quantized matmul backend {backend!r}: use one of {BACKENDS}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "torch" and device.type != "cpu":
+        raise ValueError(f"the 'torch' backend is PyTorch's CPU kernels; the weights are on {device}")
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the 'triton' backend needs CUDA (or TRITON_INTERPRET=1 to interpret it on a CPU)")
+    return backend
+
+
+class Int8Linear(nn.Module):
+    """Drop-in for nn.Linear: int8 weight [out, in] and one float32 scale per output channel."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[nn.Parameter], backend: str) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
+        self.bias = bias
+        self.backend = backend
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, backend: str = "auto") -> "Int8Linear":
+        q, scale = quantize_int8_per_channel(linear.weight.detach())
+        return cls(q, scale, linear.bias, resolve_backend(backend, linear.weight.device))
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight matrix this layer stands for."""
+        return dequantize_int8(self.qweight, self.scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "torch":
+            out = int8_mm_cpu(x, self.qweight, self.scale)
+        elif self.backend == "triton":
+            out = int8_matmul(x, self.qweight, self.scale)
+        else:
+            out = int8_matmul_reference(x, self.qweight, self.scale)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel, backend={self.backend}"
+
+
+class Int4Linear(nn.Module):
+    """Drop-in for nn.Linear: int4 weights in groups of group_size inputs, a float16 scale and minimum each.
+
+    Stored in our packed layout (``qweight`` [out, in // 2] uint8, ``scale`` and ``minimum``
+    [out, in // group_size]), or, for the "torch" backend, repacked once into the layout of
+    PyTorch's CPU kernel (``qweight`` opaque uint8, ``scale_and_zero`` [in // group_size, out, 2]).
+    """
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                 bias: Optional[nn.Parameter], backend: str, fallback_reason: Optional[str] = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = packed.shape[0], packed.shape[1] * 2
+        self.group_size = self.in_features // scale.shape[1]
+        self.backend, self.fallback_reason = backend, fallback_reason
+        if backend == "torch":
+            weight, scale_and_zero = pack_int4_for_cpu(packed, scale, minimum)
+            self.register_buffer("qweight", weight)
+            self.register_buffer("scale_and_zero", scale_and_zero)
+        else:
+            self.register_buffer("qweight", packed)
+            self.register_buffer("scale", scale)
+            self.register_buffer("minimum", minimum)
+        self.bias = bias
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int, backend: str = "auto") -> "Int4Linear":
+        q, scale, minimum = quantize_int4_groupwise(linear.weight.detach(), group_size)
+        resolved = resolve_backend(backend, linear.weight.device)
+        reason = int4_cpu_unsupported(linear.out_features) if resolved == "torch" else None
+        if reason and backend == "torch":
+            raise ValueError(f"backend 'torch' cannot run this layer: {reason}")
+        if reason:  # "auto": the reference still works, only slower
+            resolved = "reference"
+        return cls(pack_int4(q), scale, minimum, linear.bias, resolved, reason)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight matrix this layer stands for."""
+        if self.backend == "torch":
+            return dequantize_int4_cpu(self.qweight, self.scale_and_zero, self.group_size)
+        return dequantize_int4(self.qweight, self.scale, self.minimum)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "torch":
+            out = int4_mm_cpu(x, self.qweight, self.scale_and_zero, self.group_size)
+        elif self.backend == "triton":
+            out = int4_matmul(x, self.qweight, self.scale, self.minimum)
+        else:
+            out = int4_matmul_reference(x, self.qweight, self.scale, self.minimum)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int4 g{self.group_size}, "
+                f"backend={self.backend}")
+
+
+def allowed_group_sizes(config) -> list[int]:
+    """The int4 group sizes that divide the input size of every quantized matrix of this model."""
+    inputs = {config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size}
+    return [g for g in INT4_GROUP_SIZES if all(k % g == 0 for k in inputs)]
+
+
+def resolve_group_size(config, group_size: Optional[int]) -> int:
+    """None -> the largest allowed size (128 where it fits; 64 for SmolLM2's hidden size 576)."""
+    allowed = allowed_group_sizes(config)
+    if not allowed:
+        raise ValueError(f"no int4 group size from {INT4_GROUP_SIZES} divides this model's matrix input sizes")
+    if group_size is None:
+        return max(allowed)
+    if group_size not in allowed:
+        raise ValueError(f"int4 group size must be one of {allowed} for this model (it must divide hidden_size "
+                         f"{config.hidden_size} and intermediate_size {config.intermediate_size}), got {group_size!r}")
+    return group_size
+
+
+def check_quantization_args(quantization: Optional[str], group_size: Optional[int]) -> None:
+    """The checks `LLM` can make before loading anything (the group size is checked against the model later)."""
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"unknown quantization {quantization!r}: use one of {QUANTIZATION_METHODS} or None")
+    if group_size is not None and quantization != "int4":
+        raise ValueError(f"quantization_group_size applies to quantization='int4' only, got {group_size!r} "
+                         f"with quantization={quantization!r}")
+    if group_size is not None and group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"quantization_group_size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
+
+
+def quantize_model(model: nn.Module, method: str, group_size: Optional[int] = None, backend: str = "auto",
+                   head: Optional[str] = "int8") -> nn.Module:
+    """Replace the model's linear layers with quantized ones, in place; returns the model.
+
+    method: "int8" (per output channel) or "int4" (group-wise; group_size 32, 64 or 128, default
+    the largest that divides the model's sizes). head: "int8" quantizes lm_head too, None keeps it.
+    """
+    if method is None:
+        raise ValueError(f"quantize_model needs a method: one of {QUANTIZATION_METHODS}")
+    check_quantization_args(method, group_size if method == "int4" else None)
+    if head not in ("int8", None):
+        raise ValueError(f"head must be 'int8' or None, got {head!r}")
+    if method == "int4":
+        group_size = resolve_group_size(model.config, group_size)
+    elif group_size is not None:
+        raise ValueError(f"a group size applies to int4 only; int8 has one scale per output channel (got {group_size!r})")
+    with torch.no_grad():
+        for layer in model.layers:
+            for block_name, linear_name in LAYER_LINEARS:
+                block = getattr(layer, block_name)
+                linear = getattr(block, linear_name)
+                quantized = (Int8Linear.from_linear(linear, backend) if method == "int8"
+                             else Int4Linear.from_linear(linear, group_size, backend))
+                setattr(block, linear_name, quantized)
+        if head == "int8":
+            model.lm_head = Int8Linear.from_linear(model.lm_head, backend)
+    return model
+
+
+def _tensor_bytes(module: nn.Module, unquantized_dtype: Optional[torch.dtype]) -> int:
+    if isinstance(module, nn.Linear):
+        dtype = unquantized_dtype or module.weight.dtype
+        return module.weight.numel() * dtype.itemsize
+    return sum(b.numel() * b.element_size() for b in module.buffers())  # codes + scales (+ minimums)
+
+
+def linear_weight_bytes(model: nn.Module, unquantized_dtype: Optional[torch.dtype] = None) -> int:
+    """Bytes of the decoder layers' four weight matrices each, scales and minimums included (biases not).
+
+    unquantized_dtype: count still-float layers as if stored in this dtype (e.g. torch.bfloat16,
+    to compare with a bfloat16 model while the model itself is float32).
+    """
+    return sum(_tensor_bytes(getattr(getattr(layer, block), name), unquantized_dtype)
+               for layer in model.layers for block, name in LAYER_LINEARS)
+
+
+def model_weight_bytes(model: nn.Module) -> int:
+    """Bytes of everything the model stores (parameters and quantized buffers), each shared tensor once."""
+    seen, total = set(), 0
+    for tensor in model.state_dict().values():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+    return total
