@@ -24,6 +24,7 @@ from minfer.outputs import RequestMetrics, RequestOutput
 from minfer.quant.linear import check_quantization_args, quantize_model
 from minfer.sampling_params import SamplingParams
 from minfer.sequence import Request, Sequence
+from minfer.spec import check_speculative_args, make_proposer
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
@@ -68,6 +69,11 @@ class LLM:
     enable_chunked_prefill, and the KV pool's size: num_gpu_blocks_override (blocks, on any
     device), else kv_cache_memory_bytes, else on CUDA gpu_memory_utilization x device memory
     minus what is in use, on CPU 1 GiB.
+
+    Speculative decoding (vLLM's names; see `minfer.spec`): speculative_model '[ngram]' (prompt
+    lookup), a model name or path with the target's tokenizer, or a shipped draft such as
+    'smollm2-135m-draft'; num_speculative_tokens: draft tokens per step, 1-16. The output keeps
+    exactly the target's distribution. Metrics: `llm.engine.spec_stats`.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, dtype: Union[str, torch.dtype] = "auto", device: str = "auto",
@@ -76,7 +82,9 @@ class LLM:
                  max_num_batched_tokens: Optional[int] = None, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, gpu_memory_utilization: float = 0.9,
                  num_gpu_blocks_override: Optional[int] = None, kv_cache_memory_bytes: Optional[int] = None,
+                 speculative_model=None, num_speculative_tokens: Optional[int] = None,
                  quantization: Optional[str] = None, quantization_group_size: Optional[int] = None) -> None:
+        check_speculative_args(speculative_model, num_speculative_tokens)
         check_quantization_args(quantization, quantization_group_size)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -110,8 +118,11 @@ class LLM:
                              f"max_model_len ({self.max_model_len}), or the longest prompts could never run")
         num_blocks = num_gpu_blocks_override or self._blocks_for_memory(block_size, kv_cache_memory_bytes,
                                                                         gpu_memory_utilization, max_num_batched_tokens)
+        proposer = make_proposer(speculative_model, self.model, self.tokenizer, self.max_model_len, self.dtype,
+                                 self.device)
         self.engine = Engine(self.model, self.tokenizer, self.eos_token_ids, num_blocks, block_size, max_num_seqs,
-                             max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill)
+                             max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, proposer=proposer,
+                             num_speculative_tokens=num_speculative_tokens or 0)
 
     def _blocks_for_memory(self, block_size: int, memory_bytes: Optional[int], utilization: float,
                            step_tokens: int) -> int:
@@ -153,6 +164,9 @@ class LLM:
         """
         if batching not in ("continuous", "static"):
             raise ValueError(f"batching must be 'continuous' or 'static', got {batching!r}")
+        if (batching == "static" or not use_cache) and self.engine.proposer is not None:
+            raise ValueError("speculative decoding runs in the serving engine: use batching='continuous' with "
+                             "use_cache=True, or an LLM without speculative_model")
         requests = self._make_requests(prompts, sampling_params)
         bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm or len(requests) < 2)
         if batching == "static" or not use_cache:
