@@ -293,3 +293,12 @@ def test_bad_speculative_arguments(tiny_dir, tmp_path, llm):
         spec.generate({"prompt_token_ids": [1, 2]}, SamplingParams(logprobs=1), use_tqdm=False)
     with pytest.raises(ValueError, match="serving engine"):
         spec.generate({"prompt_token_ids": [1, 2]}, SamplingParams(), use_tqdm=False, batching="static")
+
+
+def test_expected_speedup_formula():
+    from minfer.spec.bench import expected_speedup, expected_tokens_per_pass
+
+    assert expected_tokens_per_pass(0.8, 4) == pytest.approx(3.36, abs=0.005)  # the worked example of the notes
+    assert expected_speedup(0.8, 4, 0.05) == pytest.approx(2.8, abs=0.01)
+    assert expected_speedup(0.5, 4, 0.05) == pytest.approx(1.6, abs=0.02)
+    assert expected_tokens_per_pass(1.0, 3) == 4 and expected_speedup(0.0, 5, 0.0) == 1.0

@@ -1,0 +1,173 @@
+"""Speculative decoding at batch 1: measured speedup beside the formula's, for n-gram lookup and drafts.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_speculative.py --quick     # a smoke run (a few minutes)
+    OMP_NUM_THREADS=1 python benchmarks/bench_speculative.py --json docs/bench_speculative.json \
+        --plot docs/speculative.png --update-docs                          # the full run
+
+Two tasks: input-grounded (repeat / fix typos in / rewrite a pydoc passage: the answer copies its
+input) and open chat. Proposers: none (the baseline), n-gram lookup ("[ngram]"), the distilled
+draft ("smollm2-135m-draft") and the same-shape undistilled draft, each for k in {1, 2, 4, 6}
+draft tokens. For each: decode tokens/s, acceptance alpha, the draft cost ratio c (one draft
+decode step / one target decode step, measured here) and the speedup the formula predicts,
+(1 - alpha^(k+1)) / ((1 - alpha)(1 + k c)), beside the measured one. Greedy, one thread.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from minfer import LLM
+from minfer.benchmark import machine_info, quiet
+from minfer.serving_bench import update_docs_section
+from minfer.spec import make_proposer
+from minfer.spec.bench import chat_prompts, cost_ratio, decode_rate, expected_speedup, forward_cost, grounded_prompts
+
+DOCS_START, DOCS_END = "<!-- bench_speculative:start -->", "<!-- bench_speculative:end -->"
+PROPOSERS = ("[ngram]", "smollm2-135m-draft", "smollm2-135m-draft-undistilled")
+TARGETS = {("chat", "smollm2-135m-draft"): 1.5, ("grounded", "[ngram]"): 2.0}  # minimum best speedup, CPU batch 1
+
+
+def run(args) -> dict:
+    torch.set_num_threads(args.threads)
+    with quiet():
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, enable_prefix_caching=False)
+    ks = args.ks or ([2, 4] if args.quick else [1, 2, 4, 6])
+    n, max_tokens = (1, 24) if args.quick else (args.num_prompts, args.max_tokens)
+    tasks = {"grounded": grounded_prompts(llm, n), "chat": chat_prompts(llm, n)}
+    result = {"machine": machine_info(args.device), "model": args.model, "dtype": args.dtype, "ks": ks,
+              "num_prompts": n, "max_tokens": max_tokens, "rows": [], "skipped": {}, "cost_ratio": {}}
+    # how much more a pass over k+1 positions costs than a pass over one (the formula assumes: nothing)
+    one = forward_cost(llm.model, 256, 1)
+    result["verify_cost"] = {k: forward_cost(llm.model, 256, k + 1) / one for k in ks}
+    proposers = {}
+    for name in PROPOSERS:
+        try:
+            proposers[name] = make_proposer(name, llm.model, llm.tokenizer, llm.max_model_len, llm.dtype, llm.device)
+        except (ValueError, ImportError, FileNotFoundError) as exc:
+            result["skipped"][name] = str(exc)
+            print(f"skipping {name}: {exc}", file=sys.stderr)
+            continue
+        model = getattr(proposers[name], "model", None)
+        result["cost_ratio"][name] = cost_ratio(model, llm.model) if model is not None else 0.0
+    for task, prompts in tasks.items():
+        base = decode_rate(llm, prompts, max_tokens)
+        result["rows"].append({"task": task, "proposer": "none", "k": 0, "tokens_per_s": base["tokens_per_s"],
+                               "speedup": 1.0})
+        print(f"{task:9s} none        {base['tokens_per_s']:7.1f} tok/s", file=sys.stderr)
+        for name, proposer in proposers.items():
+            for k in ks:
+                r = decode_rate(llm, prompts, max_tokens, proposer, k)
+                alpha, c = r["spec"]["draft_acceptance_rate"], result["cost_ratio"][name]
+                if name == "[ngram]":  # lookup costs no model step; count its measured time anyway
+                    c = r["spec"]["draft_time_s"] / max(1, r["spec"]["num_draft_tokens"]) / one
+                row = {"task": task, "proposer": name, "k": k, "tokens_per_s": r["tokens_per_s"],
+                       "speedup": r["tokens_per_s"] / base["tokens_per_s"], "alpha": alpha, "c": c,
+                       "predicted": expected_speedup(alpha, k, c), "mean_acceptance_length":
+                       r["spec"]["mean_acceptance_length"], "acceptance_per_position": r["spec"]["acceptance_rate_per_position"],
+                       "same_tokens_as_plain": r["token_ids"] == base["token_ids"]}
+                result["rows"].append(row)
+                print(f"{task:9s} {name:11.11s} k={k} {row['tokens_per_s']:7.1f} tok/s  x{row['speedup']:.2f} "
+                      f"(predicted x{row['predicted']:.2f}, alpha {alpha:.2f}, c {c:.3f})", file=sys.stderr)
+    result["targets"] = []
+    for (task, name), goal in TARGETS.items():
+        rows = [r for r in result["rows"] if r["task"] == task and r["proposer"] == name]
+        best = max((r["speedup"] for r in rows), default=None)
+        result["targets"].append({"task": task, "proposer": name, "goal": goal, "best": best,
+                                  "status": "skipped" if best is None else ("met" if best >= goal else "missed")})
+    return result
+
+
+def format_markdown(result: dict, command: str) -> str:
+    m = result["machine"]
+    lines = [f"`{command}`", "",
+             f"{result['model']} ({result['dtype']}), batch 1, greedy, {result['num_prompts']} prompts per task, "
+             f"up to {result['max_tokens']} tokens each; {m['cpu']}, {m['torch_threads']} torch thread(s), load "
+             f"average {m.get('load_average_1min', '?')} at the start. Draft cost ratio c (draft decode step / target "
+             "decode step): " + ", ".join(f"{k} {v:.3f}" for k, v in result["cost_ratio"].items()) + ". A target pass over "
+             "k+1 positions costs " + ", ".join(f"{v:.2f}x (k={k})" for k, v in result["verify_cost"].items()) +
+             " a one-position pass (the formula assumes 1x).", "",
+             "| task | proposer | k | tokens/s | speedup | predicted | alpha | mean acceptance length | same tokens |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if r["proposer"] == "none":
+            lines.append(f"| {r['task']} | none | - | {r['tokens_per_s']:.1f} | 1.00x | - | - | - | - |")
+        else:
+            lines.append(f"| {r['task']} | {r['proposer']} | {r['k']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+                         f"{r['predicted']:.2f}x | {r['alpha']:.2f} | {r['mean_acceptance_length']:.2f} | "
+                         f"{'yes' if r['same_tokens_as_plain'] else 'no'} |")
+    lines += ["", "Targets (best k):"]
+    for t in result["targets"]:
+        best = "n/a" if t["best"] is None else f"{t['best']:.2f}x"
+        lines.append(f"- {t['proposer']} on {t['task']}: goal >= {t['goal']}x, best {best}: **{t['status']}**")
+    for name, why in result["skipped"].items():
+        lines.append(f"- {name} skipped: {why}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = ["grounded", "chat"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, task in zip(axes, tasks):
+        for i, name in enumerate(n for n in PROPOSERS if n in result["cost_ratio"]):
+            rows = [r for r in result["rows"] if r["task"] == task and r["proposer"] == name]
+            color = f"C{i}"
+            ax.plot([r["k"] for r in rows], [r["speedup"] for r in rows], "o-", color=color, label=f"{name} measured")
+            ax.plot([r["k"] for r in rows], [r["predicted"] for r in rows], "x--", color=color, label=f"{name} predicted")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_title(f"{task} task, batch 1")
+        ax.set_xlabel("draft tokens per step (k)")
+    axes[0].set_ylabel("decode speedup over plain decoding")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+INTRO = ("Batch-1 decoding with speculation: n-gram prompt lookup and draft models, measured speedup beside the "
+         "formula (1 - alpha^(k+1)) / ((1 - alpha)(1 + k c)) with the measured acceptance alpha and cost ratio c. "
+         "The helpers are in `minfer/spec/bench.py` (notebook 07 uses them too).")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="1 prompt per task, 24 tokens, k in {2, 4}")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="bfloat16", help="bfloat16 (faster at batch 1 on this CPU) or float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--num-prompts", type=int, default=3, help="prompts per task (full run)")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--ks", type=int, nargs="+", help="draft lengths (default 1 2 4 6)")
+    parser.add_argument("--json", dest="json_path")
+    parser.add_argument("--plot")
+    parser.add_argument("--update-docs", nargs="?", const="docs/benchmarks.md", default=None, metavar="PATH")
+    args = parser.parse_args(argv)
+    command = "OMP_NUM_THREADS=1 python benchmarks/bench_speculative.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    started = time.time()
+    result = run(args)
+    result["command"], result["wall_s"] = command, time.time() - started
+    markdown = format_markdown(result, command)
+    if args.plot:
+        plot(result, args.plot)
+        markdown += f"\n![speculative decoding]({Path(args.plot).name})\n"
+    print(markdown)
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(result, indent=2))
+    if args.update_docs:
+        update_docs_section(markdown, args.update_docs, DOCS_START, DOCS_END,
+                            heading="## Speculative decoding (batch 1)", intro=INTRO)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

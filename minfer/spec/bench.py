@@ -1,0 +1,111 @@
+"""Measuring speculative decoding: the expected-speedup formula and the timings to set beside it.
+
+One speculative step costs one draft step per draft token (c each, in units of a target step)
+plus one target pass over k+1 positions, and yields on average (1 - alpha^(k+1)) / (1 - alpha)
+tokens when each draft token is accepted with probability alpha, independently. Hence
+
+    expected speedup = (1 - alpha^(k+1)) / ((1 - alpha) (1 + k c))
+
+which assumes that scoring k+1 positions costs the same as scoring one (true while a step is
+bound by reading the weights; `forward_cost` measures how true it is here). The benchmark
+(benchmarks/bench_speculative.py) and notebook 07 both time with these helpers.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Optional
+
+import torch
+
+from minfer.kv_cache import KVCache
+from minfer.models.llama import LlamaModel
+from minfer.sampling_params import SamplingParams
+from minfer.spec.proposer import Proposer
+from minfer.spec.stats import SpecDecodeStats
+
+
+def expected_tokens_per_pass(alpha: float, k: int) -> float:
+    """1 + alpha + ... + alpha^k: the accepted drafts plus the one token every pass yields."""
+    return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def expected_speedup(alpha: float, k: int, c: float) -> float:
+    return expected_tokens_per_pass(alpha, k) / (1 + k * c)
+
+
+@torch.inference_mode()
+def forward_cost(model: LlamaModel, context_len: int, num_tokens: int = 1, repeats: int = 10) -> float:
+    """Median seconds of one batch-1 forward pass over num_tokens new tokens after context_len cached ones."""
+    weight = model.embed_tokens.weight
+    cache = KVCache(model.config, 1, context_len + num_tokens, weight.dtype, weight.device)
+    ids = torch.randint(100, 1000, (1, context_len + num_tokens), device=weight.device)
+    model(ids[:, :context_len], torch.arange(context_len, device=weight.device)[None], cache)
+    positions = torch.arange(context_len, context_len + num_tokens, device=weight.device)[None]
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        cache.length = context_len
+        start = time.perf_counter()
+        model(ids[:, context_len:], positions, cache)
+        if weight.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def cost_ratio(draft: LlamaModel, target: LlamaModel, context_len: int = 256, repeats: int = 10) -> float:
+    """c = one draft decode step / one target decode step, at batch 1."""
+    return forward_cost(draft, context_len, 1, repeats) / forward_cost(target, context_len, 1, repeats)
+
+
+def decode_rate(llm, prompts: list, max_tokens: int, proposer: Optional[Proposer] = None, k: int = 0) -> dict:
+    """Greedy-generate each prompt alone (batch 1) with `proposer` and k draft tokens (None: plain
+    decoding) on llm's engine. Returns decode tokens/s (after the first token, which prefill
+    makes), the speculative metrics and the output ids. The engine's settings are restored after."""
+    engine = llm.engine
+    saved = engine.proposer, engine.num_speculative_tokens, engine.spec_stats, engine.blocks.enable_prefix_caching
+    engine.proposer, engine.num_speculative_tokens, engine.spec_stats = proposer, k, SpecDecodeStats()
+    engine.blocks.enable_prefix_caching = False  # every run computes its prompt: no help from earlier runs
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    try:
+        llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+        engine.spec_stats = SpecDecodeStats()
+        outputs = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
+        stats = engine.spec_stats
+    finally:
+        engine.proposer, engine.num_speculative_tokens, engine.spec_stats, engine.blocks.enable_prefix_caching = saved
+    tokens = sum(o.metrics.num_output_tokens - 1 for o in outputs)
+    seconds = sum(o.metrics.finished_time - o.metrics.first_token_time for o in outputs)
+    return {"tokens_per_s": tokens / seconds, "decode_tokens": tokens, "seconds": seconds,
+            "spec": stats.as_dict(), "token_ids": [o.outputs[0].token_ids for o in outputs]}
+
+
+def grounded_prompts(llm, n: int, chars: int = 700) -> list[str]:
+    """Input-grounded tasks on pydoc passages: the answer copies much of its input (lookup's home ground)."""
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    names = ["assert", "pass", "del", "return", "break", "continue", "global", "import"][:n]
+    tasks = ["Repeat the following text exactly, word for word:", "Fix the typos in this text and return all of it:",
+             "Rewrite this documentation in the same words, as plain text:"]
+    prompts = []
+    for i, name in enumerate(names):
+        text = topics[name][:chars]
+        if "typos" in tasks[i % len(tasks)]:  # a few made-up typos to fix: swap two letters every ~60 chars
+            chars_ = list(text)
+            for j in range(30, len(chars_) - 1, 60):
+                if chars_[j].isalpha() and chars_[j + 1].isalpha():
+                    chars_[j], chars_[j + 1] = chars_[j + 1], chars_[j]
+            text = "".join(chars_)
+        prompts.append(llm.apply_chat_template([{"role": "user", "content": f"{tasks[i % len(tasks)]}\n\n{text}"}]))
+    return prompts
+
+
+CHAT_QUESTIONS = ["Write a short story about a robot who learns to paint.", "What are the benefits of regular exercise?",
+                  "Explain how rainbows form.", "Give me three tips for learning a new language.",
+                  "Describe a perfect weekend in the mountains.", "Why is the sky blue?"]
+
+
+def chat_prompts(llm, n: int) -> list[str]:
+    """Open chat: nothing to copy from, so only a draft model can guess."""
+    return [llm.apply_chat_template([{"role": "user", "content": q}]) for q in CHAT_QUESTIONS[:n]]
