@@ -1,0 +1,77 @@
+"""Chapter 06: quantization, from one weight matrix to the KV cache.
+
+Fill in each function (replace `raise NotImplementedError`), then run `check("ch06")` in the
+notebook. Work in float32; every function takes and returns torch tensors.
+"""
+from __future__ import annotations
+
+import torch
+
+
+# -------------------- int8, per output channel
+
+
+def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per output channel (row) of w [out, in].
+
+    scale[n] = max_k |w[n, k]| / 127 (float32, shape [out]); q = round(w / scale), clamped to
+    [-127, 127], as int8 [out, in]. A row of zeros gets scale 0 and q = 0 (no division by zero).
+    Afterwards |w - q * scale[:, None]| <= scale / 2 everywhere.
+    """
+    raise NotImplementedError("write me")
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 matrix q * scale[:, None] that int8 codes q [out, in] and scales [out] stand for."""
+    raise NotImplementedError("write me")
+
+
+# -------------------- int4, in groups, two per byte
+
+
+def quantize_int4_groupwise(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 in groups of group_size consecutive inputs of each row of w [out, in].
+
+    Group g of row n covers w[n, g*group_size : (g+1)*group_size]. With lo, hi its min and max:
+    scale = (hi - lo) / 15, minimum = lo (both float32, shape [out, in // group_size]), and
+    q = round((w - minimum) / scale) clamped to 0..15, as uint8 [out, in]. A constant group has
+    scale 0 and q = 0. Raise ValueError if in is not a multiple of group_size.
+    """
+    raise NotImplementedError("write me")
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit codes per byte: q uint8 [out, in] (values 0..15, in even) -> uint8 [out, in // 2].
+
+    Byte i of a row holds column 2i in its low nibble and column 2i + 1 in its high nibble.
+    """
+    raise NotImplementedError("write me")
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_int4: uint8 [out, in // 2] -> uint8 [out, in], values 0..15."""
+    raise NotImplementedError("write me")
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The float32 matrix [out, in] a packed int4 weight stands for: q * scale + minimum per group."""
+    raise NotImplementedError("write me")
+
+
+# -------------------- the KV cache in int8
+
+
+def quantize_kv_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Int8 KV-cache entries: one symmetric absmax scale per (token, head).
+
+    x [tokens, heads, head_dim] (keys or values) -> (q int8 [tokens, heads, head_dim],
+    scale float32 [tokens, heads]) with scale = max |x| / 127 over head_dim and q = round(x / scale)
+    clamped to [-127, 127]. An all-zero vector gets scale 0 and stores zeros. Each token's scale
+    depends on that token alone, so writing a new token never touches the ones already stored.
+    """
+    raise NotImplementedError("write me")
+
+
+def dequantize_kv_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Read int8 KV entries back: q [tokens, heads, head_dim] * scale[..., None] -> float32."""
+    raise NotImplementedError("write me")
