@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from minfer.engine.engine import Engine
-from minfer.engine.paged_kv import KVPool
+from minfer.engine.paged_kv import KVPool, check_kv_cache_dtype
 from minfer.generate import generate_static_batch
 from minfer.layers.attention import AttentionFn, get_attention_fn
 from minfer.models.llama import LlamaModel
@@ -68,7 +68,9 @@ class LLM:
     per step), max_num_batched_tokens (tokens per step), enable_prefix_caching,
     enable_chunked_prefill, and the KV pool's size: num_gpu_blocks_override (blocks, on any
     device), else kv_cache_memory_bytes, else on CUDA gpu_memory_utilization x device memory
-    minus what is in use, on CPU 1 GiB.
+    minus what is in use, on CPU 1 GiB. kv_cache_dtype: 'auto' (the model's dtype) or 'int8' (a
+    float32 scale per token and KV head; about 2x the tokens of bfloat16 in the same memory; served
+    by the paged engine, not by batching="static").
 
     Speculative decoding (vLLM's names; see `minfer.spec`): speculative_model '[ngram]' (prompt
     lookup), a model name or path with the target's tokenizer, or a shipped draft such as
@@ -82,10 +84,13 @@ class LLM:
                  max_num_batched_tokens: Optional[int] = None, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, gpu_memory_utilization: float = 0.9,
                  num_gpu_blocks_override: Optional[int] = None, kv_cache_memory_bytes: Optional[int] = None,
-                 speculative_model=None, num_speculative_tokens: Optional[int] = None,
-                 quantization: Optional[str] = None, quantization_group_size: Optional[int] = None) -> None:
-        check_speculative_args(speculative_model, num_speculative_tokens)
+                 kv_cache_dtype: str = "auto", speculative_model=None,
+                 num_speculative_tokens: Optional[int] = None, quantization: Optional[str] = None,
+                 quantization_group_size: Optional[int] = None) -> None:
         check_quantization_args(quantization, quantization_group_size)
+        check_kv_cache_dtype(kv_cache_dtype)
+        check_speculative_args(speculative_model, num_speculative_tokens)
+        self.kv_cache_dtype = kv_cache_dtype
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         for name, value in [("max_num_seqs", max_num_seqs), ("block_size", block_size),
@@ -121,7 +126,8 @@ class LLM:
         proposer = make_proposer(speculative_model, self.model, self.tokenizer, self.max_model_len, self.dtype,
                                  self.device)
         self.engine = Engine(self.model, self.tokenizer, self.eos_token_ids, num_blocks, block_size, max_num_seqs,
-                             max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, proposer=proposer,
+                             max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill,
+                             kv_cache_dtype=kv_cache_dtype, proposer=proposer,
                              num_speculative_tokens=num_speculative_tokens or 0)
 
     def _blocks_for_memory(self, block_size: int, memory_bytes: Optional[int], utilization: float,
@@ -129,7 +135,7 @@ class LLM:
         """How many KV blocks fit the budget. On CUDA: run one full-size step first, then give the
         cache what is left of utilization x device memory after the weights, that step's peak
         activations and whatever else holds device memory."""
-        per_block = KVPool.bytes_per_block(self.config, block_size, self.dtype)
+        per_block = KVPool.bytes_per_block(self.config, block_size, self.dtype, self.kv_cache_dtype)
         if memory_bytes is None and self.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -164,6 +170,9 @@ class LLM:
         """
         if batching not in ("continuous", "static"):
             raise ValueError(f"batching must be 'continuous' or 'static', got {batching!r}")
+        if (batching == "static" or not use_cache) and self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} lives in the paged engine: use "
+                             "batching='continuous' with use_cache=True, or an LLM with kv_cache_dtype='auto'")
         if (batching == "static" or not use_cache) and self.engine.proposer is not None:
             raise ValueError("speculative decoding runs in the serving engine: use batching='continuous' with "
                              "use_cache=True, or an LLM without speculative_model")

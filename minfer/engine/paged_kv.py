@@ -3,7 +3,10 @@
 `KVPool` holds the memory: per layer a K pool and a V pool of shape
 [num_blocks, block_size, num_kv_heads, head_dim]. Token t of a sequence lives in block
 `block_table[t // block_size]` at offset `t % block_size`; its flat *slot* is
-block * block_size + offset.
+block * block_size + offset. The pools hold the model's dtype (kv_cache_dtype "auto") or int8
+("int8"): then a float32 scale per (token, KV head) sits beside them, [num_blocks, block_size,
+num_kv_heads] per layer, tokens are quantized as they are stored and dequantized as they are read
+(`minfer/quant/kv.py`), and the same memory holds about twice as many tokens as bfloat16.
 
 `PagedStep` describes one step's batch: the new tokens of every scheduled sequence packed
 into one row (prefill chunks first, then one token per decoding sequence), where each
@@ -19,28 +22,69 @@ the Triton kernels of `minfer.kernels` read the pool through the block tables in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from minfer.config import ModelConfig
 from minfer.layers.attention import AttentionFn
+from minfer.quant.kv import dequantize_kv, quantize_kv
+
+KV_CACHE_DTYPES = ("auto", "int8")  # vLLM's name; its "fp8" formats are not implemented here
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be 'auto' (the model's dtype) or 'int8', got {kv_cache_dtype!r}")
 
 
 class KVPool:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, kv_cache_dtype: str = "auto") -> None:
+        check_kv_cache_dtype(kv_cache_dtype)
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.quantized = kv_cache_dtype == "int8"
+        self.dtype = dtype  # the model's: what reads return
+        self.k = torch.zeros(shape, dtype=torch.int8 if self.quantized else dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        # int8 only: one float32 scale per (layer, block, offset, KV head)
+        self.k_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device) if self.quantized else None
+        self.v_scale = torch.zeros_like(self.k_scale) if self.quantized else None
         self.block_size = block_size
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+        """K and V bytes of one block over all layers, the int8 format's scales included."""
+        check_kv_cache_dtype(kv_cache_dtype)
+        # a (token, KV head) vector: head_dim values, or head_dim int8s and a 4-byte scale
+        vector = config.head_dim * dtype.itemsize if kv_cache_dtype == "auto" else config.head_dim + 4
+        return 2 * config.num_layers * block_size * config.num_kv_heads * vector
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        scales = self.k_scale.nbytes + self.v_scale.nbytes if self.quantized else 0
+        return self.k.nbytes + self.v.nbytes + scales
+
+    def scales(self, layer: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The layer's K and V scale pools (None, None unless int8)."""
+        return (self.k_scale[layer], self.v_scale[layer]) if self.quantized else (None, None)
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write k, v [tokens, kv_heads, head_dim] at their slots (quantizing them for an int8 pool)."""
+        if not self.quantized:
+            self.k[layer].view(-1, *k.shape[1:])[slots] = k
+            self.v[layer].view(-1, *v.shape[1:])[slots] = v
+            return
+        for pool, scale, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            pool[layer].view(-1, *new.shape[1:])[slots], scale[layer].view(-1, new.shape[1])[slots] = quantize_kv(new)
+
+    def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of whole blocks, [seqs, kv_heads, blocks * block_size, head_dim], in the model's dtype."""
+        keys, values = gather(self.k[layer], tables), gather(self.v[layer], tables)
+        if self.quantized:
+            keys = dequantize_kv(keys, gather(self.k_scale[layer], tables), self.dtype)
+            values = dequantize_kv(values, gather(self.v_scale[layer], tables), self.dtype)
+        return keys, values
 
 
 @dataclass
@@ -84,18 +128,15 @@ class PagedStep:
         (No mask: who sees what follows from each sequence's slice.)"""
         if self.use_kernels:
             return self._attend_with_kernels(layer, q, k, v)
-        k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
-        flat = (-1, k.shape[1], k.shape[3])
-        k_pool.view(flat)[self.slot_mapping] = k[0].transpose(0, 1)
-        v_pool.view(flat)[self.slot_mapping] = v[0].transpose(0, 1)
+        self.pool.store(layer, k[0].transpose(0, 1), v[0].transpose(0, 1), self.slot_mapping)
         out = torch.empty_like(q)
         for s, table in zip(self.prefills, self.prefill_rows):
-            keys = gather(k_pool, table)[:, :, :s.context_len]
-            values = gather(v_pool, table)[:, :, :s.context_len]
+            keys, values = self.pool.gather(layer, table)
+            keys, values = keys[:, :, :s.context_len], values[:, :, :s.context_len]
             query = q[:, :, s.query_start:s.query_start + s.query_len]
             out[:, :, s.query_start:s.query_start + s.query_len] = attention_fn(query, keys, values, None)
         if self.decodes:
-            keys, values = gather(k_pool, self.decode_tables), gather(v_pool, self.decode_tables)
+            keys, values = self.pool.gather(layer, self.decode_tables)
             query = q[0, :, self.decode_start:].transpose(0, 1).unsqueeze(2)  # [seqs, heads, 1, dim]
             result = attention_fn(query, keys, values, self.decode_mask)
             out[0, :, self.decode_start:] = result.squeeze(2).transpose(0, 1)
@@ -109,15 +150,19 @@ class PagedStep:
         from minfer.kernels.paged_prefill_attention import paged_prefill_attention
 
         k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
-        write_kv(k_pool, v_pool, k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous(), self.slot_mapping)
+        k_scales, v_scales = self.pool.scales(layer)  # None unless the pools are int8
+        write_kv(k_pool, v_pool, k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous(), self.slot_mapping,
+                 k_scales, v_scales)
         tokens = q[0].transpose(0, 1).contiguous()  # [tokens, heads, dim]
         out = torch.empty_like(tokens)
         split = self.decode_start
         if self.prefills:
             out[:split] = paged_prefill_attention(tokens[:split], k_pool, v_pool, self.prefill_tables,
-                                                  self.prefill_cu_seqlens, self.prefill_lens)
+                                                  self.prefill_cu_seqlens, self.prefill_lens,
+                                                  k_scales=k_scales, v_scales=v_scales)
         if self.decodes:
-            out[split:] = paged_decode_attention(tokens[split:], k_pool, v_pool, self.decode_tables, self.decode_lens)
+            out[split:] = paged_decode_attention(tokens[split:], k_pool, v_pool, self.decode_tables, self.decode_lens,
+                                                 k_scales=k_scales, v_scales=v_scales)
         return out.transpose(0, 1).unsqueeze(0)
 
 
@@ -129,7 +174,7 @@ def block_tables(slices: list[SequenceSlice], device: torch.device) -> torch.Ten
 
 
 def gather(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """[seqs, blocks] block ids -> [seqs, kv_heads, blocks * block_size, head_dim] keys or values, copied out."""
-    blocks = pool[tables.long()]  # [seqs, blocks, block_size, kv_heads, head_dim]
-    seqs, nblocks, size, heads, dim = blocks.shape
-    return blocks.reshape(seqs, nblocks * size, heads, dim).transpose(1, 2)
+    """[seqs, blocks] block ids -> [seqs, kv_heads, blocks * block_size, head_dim] keys or values, copied out
+    (or [seqs, kv_heads, blocks * block_size] from a scale pool)."""
+    blocks = pool[tables.long()]  # [seqs, blocks, block_size, kv_heads(, head_dim)]
+    return blocks.flatten(1, 2).transpose(1, 2)

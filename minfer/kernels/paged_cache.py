@@ -33,6 +33,17 @@ Slots are how new tokens are addressed when they are written: the engine compute
 new token (``slots_for_positions``) and passes the whole step's ``slot_mapping`` to ``write_kv``.
 A slot of -1 means "no slot": padding tokens of a batch are skipped, not written.
 
+int8 pools
+----------
+The pools may hold int8 instead of the model's dtype (``LLM(kv_cache_dtype="int8")``, see
+``minfer/quant/kv.py``). Then each (token, KV head) vector also has a float32 scale, kept in a
+scale pool beside each K and V pool, addressed by the same slots without the head_dim axis:
+
+    scales: [num_blocks, block_size, num_kv_heads]   float32, value = int8 * scale
+
+``write_kv`` quantizes as it stores, and ``load_kv_tile`` dequantizes right after it loads, so the
+attention math in between is unchanged: it only ever sees ordinary K/V tiles.
+
 Running the kernels
 -------------------
 Triton compiles for GPUs. On a CPU it can only *interpret* a kernel (numpy executes each program
@@ -46,10 +57,13 @@ Every wrapper here runs its Triton kernel on CUDA tensors or under the interpret
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from minfer.quant.kv import dequantize_kv, quantize_kv
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -63,15 +77,19 @@ def slots_for_positions(block_table: torch.Tensor, positions: torch.Tensor, bloc
     return block_table.long()[positions // block_size] * block_size + positions % block_size
 
 
-def gather_kv(pool: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+def gather_kv(pool: torch.Tensor, block_table: torch.Tensor, length: int,
+              scales: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One sequence's first ``length`` tokens of a pool, in order: [length, num_kv_heads, head_dim].
 
     The reference way to read a paged cache: compute every token's slot, then index. It copies
-    the whole context, which is exactly what the kernels avoid.
+    the whole context, which is exactly what the kernels avoid. With ``scales`` (an int8 pool's
+    scale pool) the tokens come back dequantized, in float32.
     """
     block_size = pool.shape[1]
     slots = slots_for_positions(block_table, torch.arange(length, device=pool.device), block_size)
-    return pool.flatten(0, 1)[slots]
+    if scales is None:
+        return pool.flatten(0, 1)[slots]
+    return dequantize_kv(pool.flatten(0, 1)[slots], scales.flatten(0, 1)[slots])
 
 
 def check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
@@ -84,6 +102,22 @@ def check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
         raise ValueError("the last (head_dim) axis of the pools must be contiguous")
 
 
+def check_scales(k_pool: torch.Tensor, k_scales: Optional[torch.Tensor], v_scales: Optional[torch.Tensor]) -> None:
+    """int8 pools come with float32 scale pools [num_blocks, block_size, num_kv_heads]; other pools without."""
+    if k_pool.dtype != torch.int8:
+        if k_scales is not None or v_scales is not None:
+            raise ValueError(f"scales belong to int8 pools; these pools are {k_pool.dtype}")
+        return
+    if k_scales is None or v_scales is None:
+        raise ValueError("int8 pools need k_scales and v_scales (float32 [num_blocks, block_size, num_kv_heads])")
+    for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if scales.shape != k_pool.shape[:3] or scales.dtype != torch.float32 or scales.stride(-1) != 1:
+            raise ValueError(f"{name} must be float32 {tuple(k_pool.shape[:3])} with a contiguous last axis, "
+                             f"got {scales.dtype} {tuple(scales.shape)}")
+    if k_scales.stride() != v_scales.stride():
+        raise ValueError("k_scales and v_scales must have the same strides")
+
+
 def check_tile(name: str, size: int) -> None:
     """Tile sizes feed tl.arange (powers of two only) and tl.dot (at least 16 along every side on a GPU)."""
     if size < 16 or size & (size - 1):
@@ -91,16 +125,18 @@ def check_tile(name: str, size: int) -> None:
 
 
 def check_attention_inputs(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor) -> int:
+                           context_lens: torch.Tensor, k_scales: Optional[torch.Tensor] = None,
+                           v_scales: Optional[torch.Tensor] = None) -> int:
     """Validate the shapes the attention kernels share; return the GQA group size (query heads per KV head)."""
     check_pools(k_pool, v_pool)
+    check_scales(k_pool, k_scales, v_scales)
     num_heads, head_dim = q.shape[-2:]
     num_kv_heads = k_pool.shape[2]
     if q.dim() != 3 or head_dim != k_pool.shape[3] or num_heads % num_kv_heads:
         raise ValueError(f"q must be [tokens, num_heads, {k_pool.shape[3]}] with num_heads a multiple of "
                          f"num_kv_heads={num_kv_heads}, got {tuple(q.shape)}")
-    if q.dtype != k_pool.dtype:
-        raise ValueError(f"q and the pools must share a dtype, got {q.dtype} and {k_pool.dtype}")
+    if q.dtype != k_pool.dtype and k_pool.dtype != torch.int8:
+        raise ValueError(f"q and the pools must share a dtype (or the pools be int8), got {q.dtype} and {k_pool.dtype}")
     if q.stride(-1) != 1:
         raise ValueError("the last (head_dim) axis of q must be contiguous")
     if (block_tables.dim() != 2 or block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1
@@ -110,37 +146,64 @@ def check_attention_inputs(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     return num_heads // num_kv_heads
 
 @triton.jit
-def load_kv_tile(table_ptr, k_pool_ptr, v_pool_ptr, positions, token_ok, dims, dim_ok, kv_head,
-                 stride_pool_block, stride_pool_token, stride_pool_head, BLOCK_SIZE: tl.constexpr):
+def load_kv_tile(table_ptr, k_pool_ptr, v_pool_ptr, k_scale_ptr, v_scale_ptr, positions, token_ok, dims, dim_ok,
+                 kv_head, stride_pool_block, stride_pool_token, stride_pool_head, stride_scale_block,
+                 stride_scale_token, BLOCK_SIZE: tl.constexpr, QUANTIZED: tl.constexpr):
     """K and V of one sequence's tokens at ``positions`` (one KV head), read through its block table.
 
     The page-table lookup every paged kernel shares: which block holds each position and where in
     it. Masked positions (``token_ok`` False) load zeros, so the table's padding is never an address.
-    Returns two [len(positions), len(dims)] tiles.
+    Returns two [len(positions), len(dims)] tiles. QUANTIZED (int8 pools): the tiles come back
+    dequantized, in float32, each row times its token's scale; otherwise the scale arguments are
+    unused (None) and the tiles keep the pools' dtype.
     """
     block = tl.load(table_ptr + positions // BLOCK_SIZE, mask=token_ok, other=0).to(tl.int64)
     token = block * stride_pool_block + (positions % BLOCK_SIZE) * stride_pool_token + kv_head * stride_pool_head
     offsets = token[:, None] + dims[None, :]
     mask = token_ok[:, None] & dim_ok[None, :]
-    return tl.load(k_pool_ptr + offsets, mask=mask, other=0.0), tl.load(v_pool_ptr + offsets, mask=mask, other=0.0)
+    k = tl.load(k_pool_ptr + offsets, mask=mask, other=0.0)
+    v = tl.load(v_pool_ptr + offsets, mask=mask, other=0.0)
+    if QUANTIZED:  # one extra 4-byte load per token and head, then a multiply per element
+        scale_offsets = block * stride_scale_block + (positions % BLOCK_SIZE) * stride_scale_token + kv_head
+        k = k.to(tl.float32) * tl.load(k_scale_ptr + scale_offsets, mask=token_ok, other=0.0)[:, None]
+        v = v.to(tl.float32) * tl.load(v_scale_ptr + scale_offsets, mask=token_ok, other=0.0)[:, None]
+    return k, v
 
 
 def write_kv_reference(k_pool: torch.Tensor, v_pool: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
-    """Store k_new, v_new [num_tokens, num_kv_heads, head_dim] at their slots, in place; slot -1 is skipped."""
+                       slot_mapping: torch.Tensor, k_scales: Optional[torch.Tensor] = None,
+                       v_scales: Optional[torch.Tensor] = None) -> None:
+    """Store k_new, v_new [num_tokens, num_kv_heads, head_dim] at their slots, in place; slot -1 is skipped.
+
+    int8 pools (with their scale pools): each (token, head) vector is quantized on the way in."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_pool.view(-1, *k_pool.shape[2:])[slots] = k_new[keep].to(k_pool.dtype)
-    v_pool.view(-1, *v_pool.shape[2:])[slots] = v_new[keep].to(v_pool.dtype)
+    for pool, scales, new in ((k_pool, k_scales, k_new), (v_pool, v_scales, v_new)):
+        if scales is None:
+            pool.view(-1, *pool.shape[2:])[slots] = new[keep].to(pool.dtype)
+        else:
+            pool.view(-1, *pool.shape[2:])[slots], scales.view(-1, scales.shape[2])[slots] = quantize_kv(new[keep])
+
+
+@triton.jit
+def quantize_rows(x, scale_ptrs, row_ok):
+    """int8 absmax quantization of each row of a [heads, dims] tile (masked lanes must be 0); stores the
+    rows' float32 scales at ``scale_ptrs`` and returns the int8 tile. The same steps as ``quantize_kv``."""
+    x = x.to(tl.float32)
+    scale = tl.max(tl.abs(x), axis=1) / 127.0  # QMAX (a jitted function reads no plain Python globals)
+    tl.store(scale_ptrs, scale, mask=row_ok)
+    scaled = x / tl.where(scale == 0, 1.0, scale)[:, None]
+    return (scaled + tl.where(scaled >= 0, 0.5, -0.5)).to(tl.int8)  # round half away from zero
 
 
 @triton.jit
 def _write_kv_kernel(
-    k_pool_ptr, v_pool_ptr, k_new_ptr, v_new_ptr, slot_mapping_ptr,
+    k_pool_ptr, v_pool_ptr, k_new_ptr, v_new_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
     stride_pool_block, stride_pool_token, stride_pool_head,
     stride_new_token, stride_new_head,
+    stride_scale_block, stride_scale_token,
     num_kv_heads, head_dim,
-    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANTIZED: tl.constexpr,
 ):
     # One program per new token: it copies that token's [num_kv_heads, head_dim] tile of K and of V.
     token = tl.program_id(0)
@@ -159,36 +222,49 @@ def _write_kv_kernel(
     dst = block * stride_pool_block + offset * stride_pool_token + heads[:, None] * stride_pool_head + dims[None, :]
     k = tl.load(k_new_ptr + src, mask=mask)
     v = tl.load(v_new_ptr + src, mask=mask)
+    if QUANTIZED:  # int8 pools: one scale per head of this token, from this token's numbers alone
+        scales = block * stride_scale_block + offset * stride_scale_token + heads
+        k = quantize_rows(tl.where(mask, k, 0.0), k_scale_ptr + scales, heads < num_kv_heads)
+        v = quantize_rows(tl.where(mask, v, 0.0), v_scale_ptr + scales, heads < num_kv_heads)
     tl.store(k_pool_ptr + dst, k.to(k_pool_ptr.dtype.element_ty), mask=mask)
     tl.store(v_pool_ptr + dst, v.to(v_pool_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scales: Optional[torch.Tensor] = None,
+             v_scales: Optional[torch.Tensor] = None) -> None:
     """Store k_new, v_new [num_tokens, num_kv_heads, head_dim] at their slots, in place; slot -1 is skipped.
 
+    int8 pools need their scale pools (``k_scales``, ``v_scales``); the new tokens are quantized.
     Runs the Triton kernel on CUDA tensors or under TRITON_INTERPRET=1, else ``write_kv_reference``.
     """
     check_pools(k_pool, v_pool)
+    check_scales(k_pool, k_scales, v_scales)
     num_tokens, num_kv_heads, head_dim = k_new.shape
-    if k_new.shape != v_new.shape or k_new.stride() != v_new.stride() or (num_kv_heads, head_dim) != tuple(k_pool.shape[2:]):
+    # The kernel addresses both with k_new's strides; an axis of size 1 is never stepped along, and
+    # its stride is arbitrary (one decode token's K and V differ there), so it need not match.
+    same_strides = all(a == b or n == 1 for a, b, n in zip(k_new.stride(), v_new.stride(), k_new.shape))
+    if k_new.shape != v_new.shape or not same_strides or (num_kv_heads, head_dim) != tuple(k_pool.shape[2:]):
         raise ValueError(f"k_new and v_new must both be [num_tokens, {k_pool.shape[2]}, {k_pool.shape[3]}] with the same strides, "
                          f"got {tuple(k_new.shape)} and {tuple(v_new.shape)}")
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping must hold one slot per new token ({num_tokens}), got shape {tuple(slot_mapping.shape)}")
     if not use_triton(k_pool):
-        write_kv_reference(k_pool, v_pool, k_new, v_new, slot_mapping)
+        write_kv_reference(k_pool, v_pool, k_new, v_new, slot_mapping, k_scales, v_scales)
         return
     if num_tokens == 0:
         return
     if k_new.stride(-1) != 1:
         k_new, v_new = k_new.contiguous(), v_new.contiguous()
+    quantized = k_scales is not None
     _write_kv_kernel[(num_tokens,)](
-        k_pool, v_pool, k_new, v_new, slot_mapping,
+        k_pool, v_pool, k_new, v_new, slot_mapping, k_scales, v_scales,
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         k_new.stride(0), k_new.stride(1),
+        k_scales.stride(0) if quantized else 0, k_scales.stride(1) if quantized else 0,
         num_kv_heads, head_dim,
         BLOCK_SIZE=k_pool.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        QUANTIZED=quantized,
     )

@@ -41,6 +41,10 @@ What comes next (not done here): when a batch has few sequences but long context
 per (sequence, KV head) leaves most of a GPU idle; *split-K* ("flash decoding") gives several
 programs a slice of the context each and merges their (m, l, acc) with the same rescaling.
 
+int8 pools: pass their scale pools as ``k_scales``/``v_scales`` and each K/V tile is dequantized
+right after it is loaded (``load_kv_tile``); the rest of the kernel runs as before. It still reads
+every byte once, but now half as many bytes as bfloat16 (plus 4 per 64-value scale row).
+
 Inputs must satisfy ``context_lens >= 1``: a sequence with nothing stored has nothing to attend to.
 """
 from __future__ import annotations
@@ -57,19 +61,21 @@ from minfer.kernels.paged_cache import check_attention_inputs, check_tile, gathe
 
 def paged_decode_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                      block_tables: torch.Tensor, context_lens: torch.Tensor,
-                                     scale: Optional[float] = None) -> torch.Tensor:
+                                     scale: Optional[float] = None, *, k_scales: Optional[torch.Tensor] = None,
+                                     v_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of one query per sequence over its paged K/V, by gathering and softmax.
 
     q [num_seqs, num_heads, head_dim]; k_pool, v_pool [num_blocks, block_size, num_kv_heads, head_dim];
     block_tables int32 [num_seqs, max_blocks]; context_lens [num_seqs] (each >= 1); scale defaults to
     1/sqrt(head_dim). Returns [num_seqs, num_heads, head_dim] in q's dtype; the math runs in float32.
+    int8 pools come with k_scales, v_scales [num_blocks, block_size, num_kv_heads] (float32).
     """
-    group = check_attention_inputs(q, k_pool, v_pool, block_tables, context_lens)
+    group = check_attention_inputs(q, k_pool, v_pool, block_tables, context_lens, k_scales, v_scales)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out = torch.empty_like(q)
     for seq, length in enumerate(context_lens.tolist()):
-        k = gather_kv(k_pool, block_tables[seq], length).repeat_interleave(group, dim=1).float()  # [len, heads, dim]
-        v = gather_kv(v_pool, block_tables[seq], length).repeat_interleave(group, dim=1).float()
+        k = gather_kv(k_pool, block_tables[seq], length, k_scales).repeat_interleave(group, dim=1).float()  # [len, heads, dim]
+        v = gather_kv(v_pool, block_tables[seq], length, v_scales).repeat_interleave(group, dim=1).float()
         scores = torch.einsum("hd,nhd->hn", q[seq].float(), k) * scale
         out[seq] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), v).to(q.dtype)
     return out
@@ -78,13 +84,15 @@ def paged_decode_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_po
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_pool_ptr, v_pool_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
+    k_scale_ptr, v_scale_ptr,  # int8 pools only: their scale pools (None otherwise)
     scale,
     stride_q_seq, stride_q_head,
     stride_pool_block, stride_pool_token, stride_pool_head,
+    stride_scale_block, stride_scale_token,
     stride_table_seq,
     stride_out_seq, stride_out_head,
     head_dim,
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANTIZED: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -109,8 +117,11 @@ def _paged_decode_kernel(
         positions = start + tl.arange(0, BLOCK_N)
         token_ok = positions < context_len
         # Page-table lookup: the K/V of these positions wherever their blocks are ([BLOCK_N, BLOCK_D]).
-        k, v = load_kv_tile(table, k_pool_ptr, v_pool_ptr, positions, token_ok, dims, dim_ok, kv_head,
-                            stride_pool_block, stride_pool_token, stride_pool_head, BLOCK_SIZE)
+        k, v = load_kv_tile(table, k_pool_ptr, v_pool_ptr, k_scale_ptr, v_scale_ptr, positions, token_ok, dims,
+                            dim_ok, kv_head, stride_pool_block, stride_pool_token, stride_pool_head,
+                            stride_scale_block, stride_scale_token, BLOCK_SIZE, QUANTIZED)
+        if QUANTIZED:  # the dequantized tiles are float32; tl.dot wants both operands in q's dtype
+            k, v = k.to(q.dtype), v.to(q.dtype)
 
         scores = tl.dot(q, tl.trans(k)) * scale                          # [BLOCK_G, BLOCK_N], float32
         scores = tl.where(token_ok[None, :], scores, float("-inf"))
@@ -130,30 +141,35 @@ def _paged_decode_kernel(
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: Optional[float] = None, *, block_n: int = 64) -> torch.Tensor:
+                           scale: Optional[float] = None, *, block_n: int = 64,
+                           k_scales: Optional[torch.Tensor] = None, v_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The Triton kernel for ``paged_decode_attention_reference`` (same arguments, same result).
 
     ``block_n`` is the number of tokens a program processes per step of its loop (a power of two,
     at least 16): a tuning knob, independent of the pools' block size. Runs the Triton kernel on
     CUDA tensors or under TRITON_INTERPRET=1; elsewhere falls back to the reference.
     """
-    group = check_attention_inputs(q, k_pool, v_pool, block_tables, context_lens)
+    group = check_attention_inputs(q, k_pool, v_pool, block_tables, context_lens, k_scales, v_scales)
     check_tile("block_n", block_n)
     if not use_triton(q):
-        return paged_decode_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale)
+        return paged_decode_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale,
+                                                k_scales=k_scales, v_scales=v_scales)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     out = torch.empty_like(q)
+    quantized = k_scales is not None
     _paged_decode_kernel[(num_seqs, num_kv_heads)](
         q, k_pool, v_pool, block_tables, context_lens, out,
+        k_scales, v_scales,
         scale,
         q.stride(0), q.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        k_scales.stride(0) if quantized else 0, k_scales.stride(1) if quantized else 0,
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         head_dim,
-        GROUP=group, BLOCK_SIZE=k_pool.shape[1],
+        GROUP=group, BLOCK_SIZE=k_pool.shape[1], QUANTIZED=quantized,
         # tl.dot wants every side >= 16 on a GPU, and tl.arange wants powers of two.
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),

@@ -37,6 +37,9 @@ Unlike decode, prefill does O(q_len) math per K/V byte, so it is bound by comput
 one program per query head, re-reading the K/V tile its group shares, costs little here.
 Tiles wholly below the diagonal need no mask; splitting the loop to skip it is a further step.
 
+int8 pools (with ``k_scales``/``v_scales``) are read as in the decode kernel: each tile is
+dequantized by ``load_kv_tile`` right after loading.
+
 Inputs must satisfy ``1 <= q_len <= context_len`` for every sequence.
 """
 from __future__ import annotations
@@ -65,22 +68,24 @@ def _check_cu_seqlens(q: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens:
 
 def paged_prefill_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                       block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                                      context_lens: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
+                                      context_lens: torch.Tensor, scale: Optional[float] = None, *,
+                                      k_scales: Optional[torch.Tensor] = None,
+                                      v_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' paged K/V, by gathering and masked softmax.
 
     q [total_new_tokens, num_heads, head_dim], packed by cu_seqlens_q [num_seqs + 1];
     k_pool, v_pool [num_blocks, block_size, num_kv_heads, head_dim], already holding the new tokens;
     block_tables int32 [num_seqs, max_blocks]; context_lens [num_seqs] counts the new tokens too;
     scale defaults to 1/sqrt(head_dim). Returns [total_new_tokens, num_heads, head_dim] in q's dtype;
-    the math runs in float32.
+    the math runs in float32. int8 pools come with k_scales, v_scales [num_blocks, block_size, num_kv_heads].
     """
-    group = check_attention_inputs(q, k_pool, v_pool, block_tables, context_lens)
+    group = check_attention_inputs(q, k_pool, v_pool, block_tables, context_lens, k_scales, v_scales)
     q_lens = _check_cu_seqlens(q, cu_seqlens_q, context_lens)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out = torch.empty_like(q)
     for seq, (start, q_len, ctx) in enumerate(zip(cu_seqlens_q.tolist(), q_lens, context_lens.tolist())):
-        k = gather_kv(k_pool, block_tables[seq], ctx).repeat_interleave(group, dim=1).float()  # [ctx, heads, dim]
-        v = gather_kv(v_pool, block_tables[seq], ctx).repeat_interleave(group, dim=1).float()
+        k = gather_kv(k_pool, block_tables[seq], ctx, k_scales).repeat_interleave(group, dim=1).float()  # [ctx, heads, dim]
+        v = gather_kv(v_pool, block_tables[seq], ctx, v_scales).repeat_interleave(group, dim=1).float()
         scores = torch.einsum("qhd,khd->hqk", q[start:start + q_len].float(), k) * scale
         query_pos = torch.arange(ctx - q_len, ctx, device=q.device)
         visible = torch.arange(ctx, device=q.device)[None, :] <= query_pos[:, None]  # [q_len, ctx]
@@ -92,13 +97,15 @@ def paged_prefill_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_p
 @triton.jit
 def _paged_prefill_kernel(
     q_ptr, k_pool_ptr, v_pool_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, out_ptr,
+    k_scale_ptr, v_scale_ptr,  # int8 pools only: their scale pools (None otherwise)
     scale,
     stride_q_token, stride_q_head,
     stride_pool_block, stride_pool_token, stride_pool_head,
+    stride_scale_block, stride_scale_token,
     stride_table_seq,
     stride_out_token, stride_out_head,
     head_dim,
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANTIZED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -130,8 +137,11 @@ def _paged_prefill_kernel(
     for start in range(0, kv_end, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N)
         token_ok = positions < kv_end
-        k, v = load_kv_tile(table, k_pool_ptr, v_pool_ptr, positions, token_ok, dims, dim_ok, kv_head,
-                            stride_pool_block, stride_pool_token, stride_pool_head, BLOCK_SIZE)  # [BLOCK_N, BLOCK_D]
+        k, v = load_kv_tile(table, k_pool_ptr, v_pool_ptr, k_scale_ptr, v_scale_ptr, positions, token_ok, dims,
+                            dim_ok, kv_head, stride_pool_block, stride_pool_token, stride_pool_head,
+                            stride_scale_block, stride_scale_token, BLOCK_SIZE, QUANTIZED)
+        if QUANTIZED:  # the dequantized tiles are float32; tl.dot wants both operands in q's dtype
+            k, v = k.to(q.dtype), v.to(q.dtype)  # [BLOCK_N, BLOCK_D]
 
         scores = tl.dot(q, tl.trans(k)) * scale                          # [BLOCK_M, BLOCK_N], float32
         visible = token_ok[None, :] & (positions[None, :] <= query_pos[:, None])
@@ -152,33 +162,38 @@ def _paged_prefill_kernel(
 
 def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                            scale: Optional[float] = None, *, block_m: int = 64, block_n: int = 64) -> torch.Tensor:
+                            scale: Optional[float] = None, *, block_m: int = 64, block_n: int = 64,
+                            k_scales: Optional[torch.Tensor] = None, v_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The Triton kernel for ``paged_prefill_attention_reference`` (same arguments, same result).
 
     ``block_m`` queries and ``block_n`` keys make one tile (powers of two, at least 16): tuning
     knobs, independent of the pools' block size. Runs the Triton kernel on CUDA tensors or under
     TRITON_INTERPRET=1; elsewhere falls back to the reference.
     """
-    group = check_attention_inputs(q, k_pool, v_pool, block_tables, context_lens)
+    group = check_attention_inputs(q, k_pool, v_pool, block_tables, context_lens, k_scales, v_scales)
     check_tile("block_m", block_m)
     check_tile("block_n", block_n)
     if not use_triton(q):
-        return paged_prefill_attention_reference(q, k_pool, v_pool, block_tables, cu_seqlens_q, context_lens, scale)
+        return paged_prefill_attention_reference(q, k_pool, v_pool, block_tables, cu_seqlens_q, context_lens, scale,
+                                                 k_scales=k_scales, v_scales=v_scales)
     # Sizing the grid needs the longest chunk on the host (one sync; an engine would pass it in).
     max_q_len = max(_check_cu_seqlens(q, cu_seqlens_q, context_lens))
     num_heads, head_dim = q.shape[1:]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     out = torch.empty_like(q)
     grid = (triton.cdiv(max_q_len, block_m), len(context_lens), num_heads)
+    quantized = k_scales is not None
     _paged_prefill_kernel[grid](
         q, k_pool, v_pool, block_tables, cu_seqlens_q, context_lens, out,
+        k_scales, v_scales,
         scale,
         q.stride(0), q.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        k_scales.stride(0) if quantized else 0, k_scales.stride(1) if quantized else 0,
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         head_dim,
-        GROUP=group, BLOCK_SIZE=k_pool.shape[1],
+        GROUP=group, BLOCK_SIZE=k_pool.shape[1], QUANTIZED=quantized,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
     )
     return out
