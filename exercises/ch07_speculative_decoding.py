@@ -1,0 +1,59 @@
+"""Chapter 07: speculative decoding, the acceptance rule, n-gram lookup and the expected speedup.
+
+Fill in each function (replace `raise NotImplementedError`), then run `check("ch07")` in the
+notebook.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The distribution to resample from after a rejection: normalize(max(0, p - q)).
+
+    p, q: [vocab] probabilities (the target's and the draft's at one position). If p - q has no
+    positive entry (p == q, so a rejection could not have happened), return p itself.
+    """
+    raise NotImplementedError("write me")
+
+
+def verify_drafts(draft_tokens: list[int], q: Optional[torch.Tensor], p: torch.Tensor, uniforms: list[float],
+                  generator: Optional[torch.Generator] = None) -> list[int]:
+    """Speculative sampling: which tokens a verification pass emits.
+
+    draft_tokens: the k guesses. q: [k, vocab], the draft distribution each guess was drawn from,
+    or None for deterministic guesses (then q is one-hot on each guess). p: [k + 1, vocab], the
+    target's distributions at the k guessed positions and one beyond. uniforms: k numbers in
+    [0, 1), one per guess. Going left to right, guess i is accepted when
+    uniforms[i] < p[i, x] / q[i, x] (x the guess). At the first rejection, emit one token drawn
+    with torch.multinomial(residual_distribution(p[i], q[i]), 1, generator=generator) and stop.
+    If all k are accepted, emit a bonus token drawn the same way from p[k].
+    Returns the accepted guesses followed by that one extra token (1 to k + 1 tokens).
+    """
+    raise NotImplementedError("write me")
+
+
+def greedy_verify(draft_tokens: list[int], target_logits: torch.Tensor) -> list[int]:
+    """Greedy speculative decoding: target_logits [k + 1, vocab].
+
+    Accept guesses while each equals the target's argmax at its position; then emit the target's
+    argmax at the first position that disagreed (or at position k if all agreed).
+    """
+    raise NotImplementedError("write me")
+
+
+def ngram_propose(token_ids: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
+    """Prompt lookup: for n = max_n down to min_n, find the latest earlier occurrence of the last
+    n tokens (an occurrence that ends before the last token) and return up to k tokens that
+    followed it. The first n with a match wins; [] if none matches.
+    """
+    raise NotImplementedError("write me")
+
+
+def expected_speedup(alpha: float, k: int, c: float) -> float:
+    """(1 - alpha^(k+1)) / ((1 - alpha)(1 + k c)): expected tokens per pass over the pass's cost,
+    in target steps. alpha = 1 gives (k + 1) / (1 + k c).
+    """
+    raise NotImplementedError("write me")
