@@ -75,8 +75,10 @@ class KVPool:
             self.k[layer].view(-1, *k.shape[1:])[slots] = k
             self.v[layer].view(-1, *v.shape[1:])[slots] = v
             return
-        for pool, scale, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            pool[layer].view(-1, *new.shape[1:])[slots], scale[layer].view(-1, new.shape[1])[slots] = quantize_kv(new)
+        for pool, scales, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            values, scale = quantize_kv(new)  # int8 [tokens, kv_heads, head_dim], float32 [tokens, kv_heads]
+            pool[layer].view(-1, *new.shape[1:])[slots] = values
+            scales[layer].view(-1, new.shape[1])[slots] = scale
 
     def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of whole blocks, [seqs, kv_heads, blocks * block_size, head_dim], in the model's dtype."""

@@ -182,7 +182,9 @@ def write_kv_reference(k_pool: torch.Tensor, v_pool: torch.Tensor, k_new: torch.
         if scales is None:
             pool.view(-1, *pool.shape[2:])[slots] = new[keep].to(pool.dtype)
         else:
-            pool.view(-1, *pool.shape[2:])[slots], scales.view(-1, scales.shape[2])[slots] = quantize_kv(new[keep])
+            values, scale = quantize_kv(new[keep])
+            pool.view(-1, *pool.shape[2:])[slots] = values
+            scales.view(-1, scales.shape[2])[slots] = scale
 
 
 @triton.jit
