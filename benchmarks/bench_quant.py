@@ -1,0 +1,70 @@
+"""Quantization in one run: perplexity, greedy agreement, bytes and decode speed per format.
+
+    python benchmarks/bench_quant.py --quick                    # a smoke test (a few minutes)
+    python benchmarks/bench_quant.py --json docs/bench_quant.json --update-docs   # the full run
+
+Configurations whose LLM arguments do not exist yet, or that do not fit the model (int4 g128 on
+SmolLM2-135M, whose hidden size 576 is not a multiple of 128), are skipped with the reason.
+llama.cpp is measured beside minfer when llama-cpp-python is installed (optional). The
+measurements and the scrambled-model rows are explained in `minfer/quant_bench.py`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from minfer import quant_bench as qb
+from minfer.serving_bench import update_docs_section
+
+DOCS_JSON = Path(__file__).resolve().parent.parent / "docs" / "bench_quant.json"
+INTRO = ("Weight-only int8 (per output channel) and int4 (groups of 32/64/128, scale and zero point), and the int8 "
+         "KV cache, against the unquantized model on the fixed evaluation set of `minfer/evaluate.py`, with bytes "
+         "and decode speed, all in one process. How each number is made: `minfer/quant_bench.py`.")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a short run to check that everything works")
+    parser.add_argument("--model", default="smollm2-135m", help="model name, .gguf file or HF directory")
+    parser.add_argument("--dtype", default="bfloat16", help="the same for every row (bfloat16: the realistic CPU baseline)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--configs", nargs="+", default=list(qb.CONFIGS), choices=list(qb.CONFIGS), metavar="CONFIG",
+                        help=f"which rows ('none' is always needed): {list(qb.CONFIGS)}")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for minfer (default 1)")
+    parser.add_argument("--llama-cpp-threads", type=int, nargs="*", default=[1, 2])
+    parser.add_argument("--no-honest", action="store_true", help="skip the scrambled-model rows")
+    parser.add_argument("--no-speed", action="store_true", help="quality and bytes only")
+    for name in ("num_tokens", "window", "stride", "max_tokens", "batch_size", "repeats"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, help=f"override the preset's {name}")
+    parser.add_argument("--json", dest="json_path", help="write the results here (full run: docs/bench_quant.json)")
+    parser.add_argument("--update-docs", nargs="?", const="docs/benchmarks.md", default=None, metavar="PATH",
+                        help="replace the quantization section of docs/benchmarks.md (or PATH)")
+    parser.add_argument("--render", metavar="JSON", help="only rebuild the table from a saved JSON")
+    args = parser.parse_args(argv)
+    command = "python benchmarks/bench_quant.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.render:
+        result = json.loads(Path(args.render).read_text())
+    else:
+        torch.set_num_threads(args.threads)
+        overrides = {k: getattr(args, k) for k in ("num_tokens", "window", "stride", "max_tokens", "batch_size", "repeats")}
+        result = qb.run_quant_benchmark(args.model, args.dtype, args.device, args.configs, args.quick,
+                                        honest=not args.no_honest, speed=not args.no_speed,
+                                        llama_cpp_threads=args.llama_cpp_threads, **overrides)
+        result["command"] = command
+    markdown = qb.format_markdown(result, result.get("command", command))
+    print(markdown)
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(result, indent=2))
+    if args.update_docs:
+        update_docs_section(markdown, args.update_docs, qb.DOCS_START, qb.DOCS_END,
+                            heading="## Quantization: quality, bytes and speed", intro=INTRO)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
