@@ -9,6 +9,11 @@
 A step: the scheduler picks (sequence, new tokens) pairs; their tokens are packed into one row
 with positions and KV slots; one forward pass computes them all through the paged cache; the
 sequences that reached the end of what they know sample their next token.
+
+With speculative decoding (a proposer, see minfer/spec), each decoding sequence first gets up to
+k draft tokens appended tentatively; its chunk is then 1 + k tokens, the pass returns logits at
+all of them, and verification keeps the accepted drafts plus one token and rolls the sequence
+back past the rest (num_computed, sealed blocks and block table cover accepted tokens only).
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Continuous batching: which sequences run in the next step, and how many tokens each brings.
 
 Every step the scheduler fills a token budget (max_num_batched_tokens):
-  1. running sequences first, oldest first: one token each when decoding, the next chunk of the
+  1. running sequences first, oldest first: one token each when decoding (1 + its draft tokens
+     with speculative decoding, cut to fit the budget and the free blocks), the next chunk of the
      prompt while still prefilling (chunked prefill: a long prompt is eaten in pieces, so the
      others keep decoding meanwhile);
   2. then waiting sequences, first come first served, as long as the budget, the sequence limit
