@@ -224,7 +224,7 @@ def run_minfer(llm, workload: Sequence[Request], batching: str = "continuous", m
     bpt = kv_bytes_per_token(llm.config, llm.dtype)
     extra: dict = {"max_num_seqs": max_num_seqs}
     if batching == "continuous":
-        per_block = KVPool.bytes_per_block(llm.config, engine.blocks.block_size, llm.dtype)
+        per_block = KVPool.bytes_per_block(llm.config, engine.blocks.block_size, llm.dtype, llm.kv_cache_dtype)
         extra.update(kv_used_bytes=engine.stats.peak_blocks_used * per_block, kv_reserved_bytes=engine.pool.nbytes,
                      kv_note="peak blocks used x bytes per block / the pool",
                      prefix_hit_rate=engine.prefix_hit_rate, computed_tokens=engine.stats.computed_tokens,
