@@ -1,0 +1,68 @@
+"""Chapter 08, worked: a distilled draft with a small head, and a router with an escalation rule."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def distillation_loss(draft_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """The mean over positions of KL(p || q), as a 0-dim float32 tensor.
+
+    draft_logits, teacher_logits: [..., K] over the same K tokens; p = softmax(teacher_logits),
+    q = softmax(draft_logits), both over the last axis. KL(p || q) = sum_i p_i (log p_i - log q_i)
+    at each position; average over all the other axes. Work in log space (log_softmax) so that tiny
+    probabilities do not turn into log(0).
+    """
+    log_p = F.log_softmax(teacher_logits.float(), dim=-1)
+    log_q = F.log_softmax(draft_logits.float(), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+
+
+def head_tokens(token_ids: list[int], vocab_size: int, k: int) -> list[int]:
+    """The k most frequent token ids in token_ids, most frequent first.
+
+    Ties (tokens seen equally often, unseen ones included) go to the lower id. Raise ValueError
+    unless 1 <= k <= vocab_size.
+    """
+    if not 1 <= k <= vocab_size:
+        raise ValueError(f"k must be in [1, {vocab_size}], got {k}")
+    counts = torch.bincount(torch.tensor(token_ids, dtype=torch.long), minlength=vocab_size)
+    return torch.sort(counts, descending=True, stable=True).indices[:k].tolist()
+
+
+def scatter_head_logits(head_logits: torch.Tensor, head_token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Spread a reduced head's logits [..., K] over the full vocabulary: [..., vocab_size].
+
+    Column head_token_ids[i] receives head_logits[..., i]; every other column is -inf, so that
+    softmax gives those tokens probability 0 (the draft can never propose them).
+    """
+    full = head_logits.new_full((*head_logits.shape[:-1], vocab_size), float("-inf"))
+    full[..., head_token_ids] = head_logits
+    return full
+
+
+def route(confidence: float, threshold: float) -> str:
+    """'cheap' when confidence >= threshold, else 'full'.
+
+    Escalate when in doubt: a confidence that is None or NaN goes to 'full'. Raise ValueError
+    unless 0 <= threshold <= 1.
+    """
+    if not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"threshold must be in [0, 1], got {threshold!r}")
+    if confidence is None or math.isnan(confidence) or confidence < threshold:
+        return "full"
+    return "cheap"
+
+
+def routing_cost(share_cheap: float, cost_cheap: float) -> float:
+    """Mean cost per request relative to the full model: share_cheap x cost_cheap + share_full x 1.
+
+    Raise ValueError unless 0 <= share_cheap <= 1 and cost_cheap >= 0.
+    """
+    if not 0.0 <= share_cheap <= 1.0:
+        raise ValueError(f"share_cheap must be in [0, 1], got {share_cheap!r}")
+    if cost_cheap < 0:
+        raise ValueError(f"cost_cheap must be >= 0, got {cost_cheap!r}")
+    return share_cheap * cost_cheap + (1.0 - share_cheap)

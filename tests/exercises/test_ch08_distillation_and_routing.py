@@ -1,0 +1,67 @@
+"""Chapter 08: the distillation loss, the top-K head, and the router's rule and cost, against minfer's own."""
+import math
+
+import pytest
+import torch
+
+from minfer import distill, router
+
+
+def test_distillation_loss_matches_minfer_and_a_hand_computed_kl(impl):
+    g = torch.Generator().manual_seed(0)
+    draft, teacher = torch.randn(3, 5, 11, generator=g), torch.randn(3, 5, 11, generator=g) * 3
+    assert impl.distillation_loss(draft, teacher).item() == pytest.approx(
+        distill.distillation_loss(draft, teacher).item(), rel=1e-5)
+    p, q = torch.softmax(teacher[0, 0], -1), torch.softmax(draft[0, 0], -1)
+    by_hand = sum(pi * math.log(pi / qi) for pi, qi in zip(p.tolist(), q.tolist()))
+    assert impl.distillation_loss(draft[0, 0], teacher[0, 0]).item() == pytest.approx(by_hand, rel=1e-4)
+
+
+def test_distillation_loss_is_zero_only_for_a_perfect_draft(impl):
+    teacher = torch.randn(4, 7)
+    assert impl.distillation_loss(teacher + 5.0, teacher).item() == pytest.approx(0.0, abs=1e-6)  # shift-invariant
+    assert impl.distillation_loss(torch.zeros(4, 7), teacher).item() > 0.01
+    extreme = torch.tensor([[0.0, -200.0]])  # log space: no log(0)
+    assert math.isfinite(impl.distillation_loss(extreme, torch.tensor([[0.0, 0.0]])).item())
+
+
+def test_head_tokens_by_frequency_ties_to_lower_ids(impl):
+    ids = [5, 5, 5, 2, 2, 9, 9, 1]
+    assert impl.head_tokens(ids, 10, 3) == [5, 2, 9]
+    assert impl.head_tokens(ids, 10, 5) == [5, 2, 9, 1, 0]
+    g = torch.Generator().manual_seed(1)
+    many = torch.randint(0, 40, (500,), generator=g).tolist()
+    expected = distill.select_head_tokens(torch.bincount(torch.tensor(many), minlength=50), 20).tolist()
+    assert impl.head_tokens(many, 50, 20) == expected
+    with pytest.raises(ValueError):
+        impl.head_tokens(ids, 10, 11)
+
+
+def test_scatter_head_logits(impl):
+    head = torch.tensor([4, 0, 7])
+    logits = torch.tensor([[1.0, 2.0, 3.0], [0.5, -1.0, 0.0]])
+    full = impl.scatter_head_logits(logits, head, 9)
+    assert full.shape == (2, 9)
+    assert torch.equal(full[:, head], logits)
+    others = [i for i in range(9) if i not in head.tolist()]
+    assert torch.isinf(full[:, others]).all() and (full[:, others] < 0).all()
+    assert torch.softmax(full, -1)[:, others].sum() == 0
+
+
+def test_route_escalates_when_in_doubt(impl):
+    for confidence, threshold in [(0.9, 0.5), (0.5, 0.5), (0.49, 0.5), (0.0, 0.0), (1.0, 1.0), (0.3, 0.8)]:
+        assert impl.route(confidence, threshold) == router.route(confidence, threshold)
+    assert impl.route(float("nan"), 0.0) == "full"
+    assert impl.route(None, 0.5) == "full"
+    with pytest.raises(ValueError):
+        impl.route(0.5, 1.5)
+
+
+def test_routing_cost(impl):
+    assert impl.routing_cost(0.7, 0.1) == pytest.approx(0.37)  # 63 % cheaper
+    for share, cost in [(0.0, 0.2), (1.0, 0.2), (0.35, 0.08)]:
+        assert impl.routing_cost(share, cost) == pytest.approx(router.routing_cost(share, cost))
+    with pytest.raises(ValueError):
+        impl.routing_cost(-0.1, 0.1)
+    with pytest.raises(ValueError):
+        impl.routing_cost(0.5, -0.1)
