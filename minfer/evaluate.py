@@ -6,9 +6,9 @@ is measured is the engine itself, quantized weights, int8 KV cache and all.
 Perplexity. The text is a fixed slice of the Python documentation that ships inside every
 CPython (`pydoc_data.topics`; no download): the topics in EVAL_TOPICS, joined by blank lines,
 cut to the first NUM_TOKENS tokens. The model reads it in windows of WINDOW tokens that start
-every STRIDE tokens; each token is scored once, in the first window where it is not among the
-first WINDOW - STRIDE positions, so every scored token after the first window sees at least
-WINDOW - STRIDE tokens of context. Perplexity = exp(mean negative log-likelihood per token):
+every STRIDE tokens; each window scores only the tokens the window before it did not reach, so
+every token but the first is scored exactly once, and after the first window each one sees at
+least WINDOW - STRIDE tokens of context (4096 tokens: 15 windows of 512, 7680 tokens computed). Perplexity = exp(mean negative log-likelihood per token):
 the number of equally likely tokens the model is, on average, choosing between. Lower is
 better; what matters here is the relative change against the unquantized model. The text can
 change between CPython versions: compare runs made with the same Python (`eval_set_info`).

@@ -156,7 +156,7 @@ def time_llama_cpp(gguf_path: str, prompt_ids: list[int], max_tokens: int, threa
     from llama_cpp import Llama
 
     llm = Llama(model_path=gguf_path, n_ctx=len(prompt_ids) + max_tokens + 8, n_threads=threads,
-                n_threads_batch=threads, n_batch=512, verbose=False)
+                n_threads_batch=threads, n_batch=512, verbose=False)  # (n_threads_batch: the prompt's threads)
     best = float("inf")
     for _ in range(repeats):
         llm.reset()
