@@ -302,3 +302,20 @@ def test_expected_speedup_formula():
     assert expected_speedup(0.8, 4, 0.05) == pytest.approx(2.8, abs=0.01)
     assert expected_speedup(0.5, 4, 0.05) == pytest.approx(1.6, abs=0.02)
     assert expected_tokens_per_pass(1.0, 3) == 4 and expected_speedup(0.0, 5, 0.0) == 1.0
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(tiny_dir):
+    """A seeded request draws drafts, acceptances and resamples from its own generator: the same
+    tokens whatever shares the batch; its n completions differ from each other."""
+    llm = tiny_llm(tiny_dir, speculative_model=tiny_dir, num_speculative_tokens=3)
+    perturb(llm.model, 20.0, 0.0, 0)
+    perturb(llm.engine.proposer.model, 20.0, 0.1, 3)
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=30, seed=7, n=2, ignore_eos=True)
+    prompt = {"prompt_token_ids": [3, 1, 4, 1, 5]}
+    alone = llm.generate(prompt, params, use_tqdm=False)[0]
+    company = llm.generate([{"prompt_token_ids": [9, 9, 2]}, prompt], [SamplingParams(seed=1, max_tokens=12), params],
+                           use_tqdm=False)[1]
+    assert [o.token_ids for o in alone.outputs] == [o.token_ids for o in company.outputs]
+    assert alone.outputs[0].token_ids != alone.outputs[1].token_ids
+    assert all(len(o.token_ids) == 30 for o in alone.outputs)
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
