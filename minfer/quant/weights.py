@@ -12,7 +12,7 @@ Row ``n`` of a linear layer's weight ``W [out_features, in_features]`` produces 
 grid is ``scale_n * {-127, ..., 127}`` with ``scale_n = max|W[n]| / 127``: symmetric (weights sit
 around zero, so zero stays exact and no offset is needed) and as wide as the row's largest weight.
 Rounding to the nearest point errs by at most ``scale_n / 2``. One float32 scale per row of
-576..1536 weights costs under 1 % extra: 8.01..8.06 bits per weight.
+576..1536 weights costs under 1 % extra: 8.02..8.06 bits per weight.
 
 A per-row scale also factors out of the matmul: ``x @ (q * s).T == (x @ q.T) * s``, so a kernel
 can multiply by the integer matrix and scale each output once at the end.
