@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import gc
 import inspect
-import os
 import tempfile
 import time
-from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -208,7 +206,7 @@ def run_quant_benchmark(model: str = "smollm2-135m", dtype: str = "bfloat16", de
     baseline = _make_llm(model, dtype, device, {})
     result["eval_set"] = eval_set_info(baseline.tokenizer, preset["num_tokens"], preset["window"], preset["stride"])
     reference = greedy_reference(baseline, prompts, preset["agreement_tokens"])
-    bf16_bytes = linear_bytes(baseline.model, torch.bfloat16)
+    bf16_bytes, vocab_size = linear_bytes(baseline.model, torch.bfloat16), baseline.config.vocab_size
     del baseline
     for name in configs:
         row = _measure(name, model, dtype, device, reference, preset, speed, result["skipped"], log)
@@ -231,7 +229,7 @@ def run_quant_benchmark(model: str = "smollm2-135m", dtype: str = "bfloat16", de
         for r in rows:
             r["ppl_change"] = r["perplexity"] / none["perplexity"] - 1 if none else None
     if speed and llama_cpp_threads:
-        result["llama_cpp"] = _llama_cpp_rows(model, preset, llama_cpp_threads, result["skipped"], log)
+        result["llama_cpp"] = _llama_cpp_rows(model, vocab_size, preset, llama_cpp_threads, result["skipped"], log)
     result["targets"] = check_targets(result)
     return result
 
@@ -261,8 +259,9 @@ def _measure(name: str, model: str, dtype: str, device: str, reference, preset: 
     return row
 
 
-def _llama_cpp_rows(model: str, preset: dict, threads: Sequence[int], skipped: dict, log) -> list[dict]:
-    from minfer.models.loader import load_model, resolve_model_path
+def _llama_cpp_rows(model: str, vocab_size: int, preset: dict, threads: Sequence[int], skipped: dict,
+                    log) -> list[dict]:
+    from minfer.models.loader import resolve_model_path
 
     path = resolve_model_path(model)
     try:
@@ -274,8 +273,7 @@ def _llama_cpp_rows(model: str, preset: dict, threads: Sequence[int], skipped: d
     if not path.endswith(".gguf"):
         skipped["llama.cpp"] = f"{path} is not a GGUF file"
         return []
-    tokenizer = load_model(model).tokenizer
-    prompt = make_prompts(tokenizer.vocab_size, 1, preset["prompt_len"])[0]
+    prompt = make_prompts(vocab_size, 1, preset["prompt_len"])[0]  # the same kind of prompt minfer gets
     rows = [time_llama_cpp(path, prompt, preset["max_tokens"], t, preset["repeats"]) for t in threads]
     for r in rows:
         log(f"{r['engine']}: {r['decode_tokens_per_s']:.1f} tokens/s at batch 1")

@@ -68,3 +68,35 @@ def test_quick_run_on_a_tiny_model(tiny_dir, monkeypatch, tmp_path):
         assert bench.main(["--render", str(saved), "--update-docs", str(page)]) == 0
     text = page.read_text()
     assert text.count(qb.DOCS_START) == 1 and "other section" in text and "| none |" in text
+
+
+def test_llama_cpp_rows_and_the_speed_target(monkeypatch):
+    """The optional llama.cpp measurement, with a stand-in for llama_cpp (the real one is never required)."""
+    import sys
+    import types
+
+    class FakeLlama:
+        def __init__(self, model_path, n_threads, **kwargs):
+            assert model_path.endswith(".gguf")
+            self.threads = n_threads
+
+        def reset(self):
+            pass
+
+        def generate(self, tokens, **kwargs):
+            while True:
+                yield 1
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
+    skipped = {}
+    rows = qb._llama_cpp_rows("smollm2-135m", 49152, dict(prompt_len=8, max_tokens=5, repeats=2), (1, 2), skipped,
+                              lambda message: None)
+    assert [r["threads"] for r in rows] == [1, 2] and not skipped
+    assert all(r["decode_tokens_per_s"] > 0 for r in rows)
+    result = {"rows": [{"config": "int4 g64", "ppl_change": 0.01, "linear_bytes_ratio_vs_bf16": 3.6,
+                        "batch1_tokens_per_s": rows[0]["decode_tokens_per_s"]}],
+              "machine": {"torch_threads": 1}, "llama_cpp": rows}
+    checks = {c["target"].split(":")[0]: c for c in qb.check_targets(result)}
+    assert checks["int4 g64 batch-1 decode ≥ 0.75× llama.cpp (1 thread(s))"]["value"] == pytest.approx(1.0)
+    assert checks["int4 g64"]["passed"] is True
+    assert checks["int8 weights"]["passed"] is None  # not measured
