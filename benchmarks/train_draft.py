@@ -69,14 +69,15 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", default="0,1", help="target layers the draft starts from")
     parser.add_argument("--intermediate-size", type=int, default=1024)
     parser.add_argument("--head-tokens", type=int, default=8192, help="K: the head covers the K most frequent tokens")
-    parser.add_argument("--chat-prompts", type=int, default=128)
-    parser.add_argument("--answer-tokens", type=int, default=80)
-    parser.add_argument("--pydoc-tokens", type=int, default=32768)
+    parser.add_argument("--chat-prompts", type=int, default=224)
+    parser.add_argument("--answer-tokens", type=int, default=96)
+    parser.add_argument("--pydoc-tokens", type=int, default=16384)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=16, help="teacher logits kept per position")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--fp32", action="store_true", help="train in float32 (default: bf16 autocast, 2x faster)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a tiny run to check the pipeline")
     args = parser.parse_args(argv)
@@ -107,16 +108,14 @@ def main(argv=None) -> int:
     counts = torch.bincount(torch.tensor(text_ids + [t for c in chats for t in c]), minlength=llm.config.vocab_size)
     head_ids = select_head_tokens(counts, args.head_tokens)
 
-    # 3. the teacher's top-k logits over the head, once (chat rows count twice: it is what the draft serves)
+    # 3. the teacher's top-k logits over the head, computed once
     eos = tok.eos_token_id
-    chat_rows = pack(chats, args.seq_len, eos)
-    rows = torch.cat([pack([text_ids], args.seq_len, eos), chat_rows])
+    rows = torch.cat([pack([text_ids], args.seq_len, eos), pack(chats, args.seq_len, eos)])
     values, indices = [], []
     for i in tqdm(range(0, len(rows), args.batch_size), desc="teacher logits"):
-        v, ix = teacher_topk(target, rows[i: i + args.batch_size], head_ids, args.top_k)
+        v, ix = teacher_topk(target, rows[i: i + args.batch_size], head_ids, args.top_k, bf16=not args.fp32)
         values.append(v), indices.append(ix)
-    repeat = lambda t: torch.cat([t, t[-len(chat_rows):]])
-    rows, values, indices = repeat(rows), repeat(torch.cat(values)), repeat(torch.cat(indices))
+    values, indices = torch.cat(values), torch.cat(indices)
 
     # 4. distil
     layers = [int(x) for x in args.layers.split(",")]
@@ -135,7 +134,7 @@ def main(argv=None) -> int:
             return batches()
 
     bar = tqdm(total=args.steps, desc="distilling")
-    losses = train_draft(draft, Batches(), args.steps, args.lr,
+    losses = train_draft(draft, Batches(), args.steps, args.lr, bf16=not args.fp32,
                          on_step=lambda s, loss: (bar.update(1), bar.set_postfix(loss=f"{loss:.3f}")))
     bar.close()
     draft.eval()
@@ -147,7 +146,7 @@ def main(argv=None) -> int:
     save_draft(draft, args.out, meta)
     print(f"rows {len(rows)} x {args.seq_len} tokens; loss {losses[0]:.3f} -> {sum(losses[-10:]) / 10:.3f}")
     print(f"greedy acceptance on held-out chat answers: {alpha_before:.3f} untrained -> {alpha_after:.3f} distilled")
-    print(f"wrote {args.out} in {time.perf_counter() - start:.0f} s")
+    print(f"wrote {args.out} in {time.perf_counter() - start:.0f} s ({time.process_time():.0f} s of CPU time)")
     return 0
 
 

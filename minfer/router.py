@@ -17,6 +17,11 @@ c + 1. `routing_cost(..., include_classifier=True)` counts that: c + (1 - s).
 
 "Quality kept" is measured against the full model: a routed answer keeps quality when it equals
 the full model's greedy answer (the first `max_tokens` tokens).
+
+Any two minfer models can be paired. Chapter 08 uses the int4-quantised target as the cheap model
+(`minfer.quant.linear.quantize_model`): the distilled draft predicts the target's next token well
+enough for speculative decoding, where each miss is corrected, but its 8-token answers almost
+never equal the target's, so as a stand-alone cheap model it would always be escalated.
 """
 from __future__ import annotations
 
