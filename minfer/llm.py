@@ -21,6 +21,7 @@ from minfer.layers.attention import AttentionFn, get_attention_fn
 from minfer.models.llama import LlamaModel
 from minfer.models.loader import DEFAULT_MODEL, load_model
 from minfer.outputs import RequestMetrics, RequestOutput
+from minfer.quant.awq import calibration_token_ids
 from minfer.quant.linear import check_quantization_args, quantize_model
 from minfer.sampling_params import SamplingParams
 from minfer.sequence import Request, Sequence
@@ -63,6 +64,8 @@ class LLM:
     channel) or 'int4' (groups along the input; quantization_group_size 32, 64 or 128, default the
     largest that divides the model's sizes: 64 for SmolLM2-135M, whose hidden size 576 is not a
     multiple of 128). The output head becomes int8 in both; the embedding stays exact.
+    quantization='awq': the same int4 (and group sizes) after activation-aware scales, computed
+    at load time on a fixed calibration text, are folded into the model (`minfer.quant.awq`).
 
     The serving engine (vLLM's names): block_size (tokens per KV block), max_num_seqs (sequences
     per step), max_num_batched_tokens (tokens per step), enable_prefix_caching,
@@ -110,7 +113,8 @@ class LLM:
         self.max_num_seqs = max_num_seqs
         self.model = LlamaModel.from_weights(self.config, loaded.weights, self.dtype, self.device)
         if quantization is not None:
-            quantize_model(self.model, quantization, quantization_group_size)
+            calibration = calibration_token_ids(self.tokenizer) if quantization == "awq" else None
+            quantize_model(self.model, quantization, quantization_group_size, calibration_token_ids=calibration)
         del loaded
         self.set_attention(attention)
         self.eos_token_ids = {t for t in (self.tokenizer.eos_token_id,) if t is not None}

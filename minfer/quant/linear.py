@@ -3,6 +3,9 @@
     model = LlamaModel.from_weights(...)
     quantize_model(model, "int4", group_size=64)     # or LLM("smollm2-135m", quantization="int4")
 
+``"awq"`` is int4 too, after activation-aware scales are folded into the float model
+(``minfer.quant.awq``): same format, same kernels, less error.
+
 What gets quantized
 -------------------
 The four matrices of every decoder layer (``qkv_proj``, ``o_proj``, ``gate_up_proj``,
@@ -31,11 +34,12 @@ import torch
 from torch import nn
 
 from minfer.kernels.quant_matmul import int4_matmul, int4_matmul_reference, int8_matmul, int8_matmul_reference
+from minfer.quant.awq import apply_awq
 from minfer.quant.torch_ops import dequantize_int4_cpu, int4_cpu_unsupported, int4_mm_cpu, int8_mm_cpu, pack_int4_for_cpu
 from minfer.quant.weights import (INT4_GROUP_SIZES, dequantize_int4, dequantize_int8, pack_int4,
                                   quantize_int4_groupwise, quantize_int8_per_channel)
 
-QUANTIZATION_METHODS = ("int8", "int4")
+QUANTIZATION_METHODS = ("int8", "int4", "awq")  # awq: int4 with activation-aware scales (minfer.quant.awq)
 BACKENDS = ("auto", "reference", "torch", "triton")
 LAYER_LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
 
@@ -163,29 +167,37 @@ def check_quantization_args(quantization: Optional[str], group_size: Optional[in
     """The checks `LLM` can make before loading anything (the group size is checked against the model later)."""
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"unknown quantization {quantization!r}: use one of {QUANTIZATION_METHODS} or None")
-    if group_size is not None and quantization != "int4":
-        raise ValueError(f"quantization_group_size applies to quantization='int4' only, got {group_size!r} "
-                         f"with quantization={quantization!r}")
+    if group_size is not None and quantization not in ("int4", "awq"):
+        raise ValueError(f"quantization_group_size applies to quantization='int4' only (and 'awq', an int4), "
+                         f"got {group_size!r} with quantization={quantization!r}")
     if group_size is not None and group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"quantization_group_size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
 
 
 def quantize_model(model: nn.Module, method: str, group_size: Optional[int] = None, backend: str = "auto",
-                   head: Optional[str] = "int8") -> nn.Module:
+                   head: Optional[str] = "int8", calibration_token_ids: Optional[list[int]] = None) -> nn.Module:
     """Replace the model's linear layers with quantized ones, in place; returns the model.
 
-    method: "int8" (per output channel) or "int4" (group-wise; group_size 32, 64 or 128, default
-    the largest that divides the model's sizes). head: "int8" quantizes lm_head too, None keeps it.
+    method: "int8" (per output channel), "int4" (group-wise; group_size 32, 64 or 128, default
+    the largest that divides the model's sizes) or "awq" (int4 after folding activation-aware
+    scales into the float model, `minfer.quant.awq`; needs calibration_token_ids, e.g.
+    `minfer.quant.awq.calibration_token_ids(tokenizer)`). head: "int8" quantizes lm_head too, None keeps it.
     """
     if method is None:
         raise ValueError(f"quantize_model needs a method: one of {QUANTIZATION_METHODS}")
-    check_quantization_args(method, group_size if method == "int4" else None)
+    check_quantization_args(method, group_size if method in ("int4", "awq") else None)
     if head not in ("int8", None):
         raise ValueError(f"head must be 'int8' or None, got {head!r}")
-    if method == "int4":
+    if (method == "awq") != (calibration_token_ids is not None):
+        raise ValueError("calibration_token_ids are needed by method 'awq' and by no other, got "
+                         f"{'none' if calibration_token_ids is None else 'some'} with method={method!r}")
+    if method in ("int4", "awq"):
         group_size = resolve_group_size(model.config, group_size)
     elif group_size is not None:
         raise ValueError(f"a group size applies to int4 only; int8 has one scale per output channel (got {group_size!r})")
+    if method == "awq":
+        apply_awq(model, calibration_token_ids, group_size)
+        method = "int4"
     with torch.no_grad():
         for layer in model.layers:
             for block_name, linear_name in LAYER_LINEARS:
