@@ -21,9 +21,10 @@ from minfer import quant_bench as qb
 from minfer.serving_bench import update_docs_section
 
 DOCS_JSON = Path(__file__).resolve().parent.parent / "docs" / "bench_quant.json"
-INTRO = ("Weight-only int8 (per output channel) and int4 (groups of 32/64/128, scale and zero point), and the int8 "
-         "KV cache, against the unquantized model on the fixed evaluation set of `minfer/evaluate.py`, with bytes "
-         "and decode speed, all in one process. How each number is made: `minfer/quant_bench.py`.")
+INTRO = ("Weight-only int8 (per output channel) and int4 (groups of 32/64/128, scale and zero point; 'awq': the same "
+         "int4 after activation-aware scales and clipping computed at load time), and the int8 KV cache, against "
+         "the unquantized model on the fixed evaluation set of `minfer/evaluate.py`, with bytes and decode speed, "
+         "all in one process. How each number is made: `minfer/quant_bench.py`.")
 
 
 def main(argv=None) -> int:

@@ -1,7 +1,8 @@
 """The quantization benchmark: what each format costs in quality and buys in bytes and speed.
 
-For every configuration (none, int8 KV cache, int8 weights, int4 in groups of 128/64/32, and
-combinations) one process measures, on the same machine and dtype:
+For every configuration (none, int8 KV cache, int8 weights, int4 in groups of 128/64/32, the same
+int4 with activation-aware scales ("awq", `minfer.quant.awq`), and combinations) one process
+measures, on the same machine and dtype:
   - perplexity on the fixed evaluation set and its change against "none" (`minfer.evaluate`),
   - greedy agreement with the unquantized model (teacher-forced, `minfer.evaluate`),
   - bytes of the decoder layers' linear weights (scales and zero points included) and the
@@ -43,13 +44,15 @@ CONFIGS = {
     "int4 g128": {"quantization": "int4", "quantization_group_size": 128},
     "int4 g64": {"quantization": "int4", "quantization_group_size": 64},
     "int4 g32": {"quantization": "int4", "quantization_group_size": 32},
+    "awq g64": {"quantization": "awq", "quantization_group_size": 64},  # int4 + activation-aware scales and clipping
+    "awq g32": {"quantization": "awq", "quantization_group_size": 32},
     "int8 weights + int8 KV": {"quantization": "int8", "kv_cache_dtype": "int8"},
     "int4 g64 + int8 KV": {"quantization": "int4", "quantization_group_size": 64, "kv_cache_dtype": "int8"},
 }
-HONEST = ("none", "int8 weights", "int4 g64", "int4 g32")  # measured again on the scrambled model
+HONEST = ("none", "int8 weights", "int4 g64", "awq g64", "int4 g32", "awq g32")  # measured again on the scrambled model
 
 # the issue's targets: perplexity increase at most, bytes ratio to bfloat16 at least, speed vs llama.cpp
-TARGETS = {"ppl": {"int8 weights": 0.01, "int4 g64": 0.05, "int8 KV": 0.005},
+TARGETS = {"ppl": {"int8 weights": 0.01, "int4 g64": 0.05, "awq g64": 0.05, "int8 KV": 0.005},
            "bytes": {"int8 weights": 1.9, "int4 g64": 3.5}, "llama_cpp": 0.75}
 
 PRESETS = {
