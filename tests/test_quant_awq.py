@@ -133,6 +133,8 @@ def test_bad_input():
         apply_awq(model, random_ids(512), 32, alphas=(0.5, 1.5))
     with pytest.raises(ValueError, match="clip_ratios"):
         apply_awq(model, random_ids(512), 32, clip_ratios=(0.0,))
+    with pytest.raises(ValueError, match="clip_linears"):
+        apply_awq(model, random_ids(512), 32, clip_linears=("lm_head",))
     with pytest.raises(ValueError, match="calibration tokens"):
         apply_awq(model, random_ids(10), 32)
     with pytest.raises(ValueError, match="quantization_group_size"):
