@@ -18,8 +18,8 @@ place it anywhere useful), and of that only the teacher's top-k entries are kept
 target's logits can be computed once and stored. Those distributions come from the target
 reading pydoc text and its own chat answers, so the draft learns how the target talks.
 
-Reproduce the shipped weights (one thread, fixed seeds, bf16 autocast; about 8 minutes of CPU
-time, measured on a busy machine):
+Reproduce the shipped weights (one thread, fixed seeds, bf16 autocast; about 10 minutes of one
+CPU core, measured on a busy machine):
 
     OMP_NUM_THREADS=1 python benchmarks/train_draft.py
 
