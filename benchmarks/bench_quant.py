@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from minfer import quant_bench as qb
-from minfer.serving_bench import update_docs_section
+from minfer.benchmark import write_docs_section
 
 DOCS_JSON = Path(__file__).resolve().parent.parent / "docs" / "bench_quant.json"
 INTRO = ("Weight-only int8 (per output channel) and int4 (groups of 32/64/128, scale and zero point; 'awq': the same "
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(result, indent=2))
     if args.update_docs:
-        update_docs_section(markdown, args.update_docs, qb.DOCS_START, qb.DOCS_END,
+        write_docs_section(markdown, args.update_docs, qb.DOCS_START, qb.DOCS_END,
                             heading="## Quantization: quality, bytes and speed", intro=INTRO)
     return 0
 

@@ -23,7 +23,7 @@ import torch
 
 from minfer import LLM
 from minfer.benchmark import machine_info, quiet
-from minfer.serving_bench import update_docs_section
+from minfer.benchmark import write_docs_section
 from minfer.spec import make_proposer
 from minfer.spec.bench import chat_prompts, cost_ratio, decode_rate, expected_speedup, forward_cost, grounded_prompts
 
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(result, indent=2))
     if args.update_docs:
-        update_docs_section(markdown, args.update_docs, DOCS_START, DOCS_END,
+        write_docs_section(markdown, args.update_docs, DOCS_START, DOCS_END,
                             heading="## Speculative decoding (batch 1)", intro=INTRO)
     return 0
 

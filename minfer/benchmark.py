@@ -562,23 +562,30 @@ def format_markdown(result: dict, command: Optional[str] = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def update_docs(markdown: str, path: Union[str, Path] = DOCS_PAGE) -> None:
-    """Replace the generate-benchmark section of the docs page (between its markers), or add it."""
+def write_docs_section(markdown: str, path: Union[str, Path], start: str, end: str, heading: str,
+                       intro: str = "") -> None:
+    """Replace the text between a benchmark's markers in the docs page, or append it as a new section.
+
+    Every benchmark script owns one marked section, so reruns replace their own table and nothing else."""
     path = Path(path)
-    section = f"{DOCS_START}\n{markdown.rstrip()}\n{DOCS_END}"
+    section = f"{start}\n{markdown.rstrip()}\n{end}"
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if DOCS_START in text and DOCS_END in text:
-        head, rest = text.split(DOCS_START, 1)
-        tail = rest.split(DOCS_END, 1)[1]
-        text = head + section + tail
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        text = head + section + rest.split(end, 1)[1]
     else:
-        intro = ("Decode speed of minfer against transformers' `generate` and against the bare matrix multiplications "
-                 "of a decode step (the matmul floor), same weights, same prompts, one process. How each number is "
-                 "timed: `minfer/benchmark.py` (the course notebooks use the same helpers). Regenerate with "
-                 "`python benchmarks/bench_generate.py --update-docs` on a quiet machine.")
-        text = text.rstrip() + "\n\n## minfer vs transformers `generate`\n\n" + intro + "\n\n" + section + "\n"
+        text = text.rstrip() + f"\n\n{heading}\n\n" + (intro + "\n\n" if intro else "") + section + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+def update_docs(markdown: str, path: Union[str, Path] = DOCS_PAGE) -> None:
+    """Replace the generate-benchmark section of the docs page (between its markers), or add it."""
+    intro = ("Decode speed of minfer against transformers' `generate` and against the bare matrix multiplications "
+             "of a decode step (the matmul floor), same weights, same prompts, one process. How each number is "
+             "timed: `minfer/benchmark.py` (the course notebooks use the same helpers). Regenerate with "
+             "`python benchmarks/bench_generate.py --update-docs` on a quiet machine.")
+    write_docs_section(markdown, path, DOCS_START, DOCS_END, "## minfer vs transformers `generate`", intro)
 
 
 # --------------------------------------------------------------------------- command line

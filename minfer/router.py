@@ -26,7 +26,6 @@ never equal the target's, so as a stand-alone cheap model it would always be esc
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,6 +33,7 @@ import torch
 
 from minfer.kv_cache import KVCache
 from minfer.models.llama import LlamaModel
+from minfer.spec.bench import cost_ratio  # noqa: F401  (c = cheap step time / full step time, at batch 1)
 
 
 @dataclass
@@ -115,25 +115,6 @@ def evaluate_routing(confidences: list[float], agrees: list[bool], threshold: fl
     return RoutingResult(threshold, share, (kept_cheap + len(cheap) - n_cheap) / len(cheap),
                          kept_cheap / n_cheap if n_cheap else float("nan"),
                          routing_cost(share, cost_cheap), routing_cost(share, cost_cheap, include_classifier=True))
-
-
-@torch.inference_mode()
-def decode_step_seconds(model: LlamaModel, context: int = 64, steps: int = 32, repeats: int = 3) -> float:
-    """Seconds per greedy decode step at batch 1 after a `context`-token prompt (best of repeats)."""
-    prompt = [(100 + i) % model.config.vocab_size for i in range(context)]
-    greedy_answer(model, prompt, 2)  # warm-up
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        greedy_answer(model, prompt, steps)
-        best = min(best, (time.perf_counter() - start) / steps)
-    return best
-
-
-def cost_ratio(cheap: LlamaModel, full: LlamaModel, context: int = 64, steps: int = 32,
-               repeats: int = 3) -> float:
-    """c = the cheap model's decode step time / the full model's, at batch 1, measured here."""
-    return decode_step_seconds(cheap, context, steps, repeats) / decode_step_seconds(full, context, steps, repeats)
 
 
 def routing_prompts(tokenizer, per_kind: int = 16, seed: int = 0) -> list[tuple[str, list[int]]]:

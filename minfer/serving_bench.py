@@ -525,17 +525,10 @@ def format_markdown(result: dict, command: Optional[str] = None) -> str:
 def update_docs_section(markdown: str, path: Union[str, Path] = DOCS_PAGE, start: str = DOCS_START,
                         end: str = DOCS_END, heading: str = "## Serving: continuous batching, paged KV, prefix caching",
                         intro: str = "") -> None:
-    """Replace the text between the markers of `path` with `markdown`, or append a new section."""
-    path = Path(path)
-    section = f"{start}\n{markdown.rstrip()}\n{end}"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if start in text and end in text:
-        head, rest = text.split(start, 1)
-        text = head + section + rest.split(end, 1)[1]
-    else:
-        text = text.rstrip() + f"\n\n{heading}\n\n" + (intro + "\n\n" if intro else "") + section + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    """Replace the serving section of the docs page (between its markers), or append it."""
+    from minfer.benchmark import write_docs_section
+
+    write_docs_section(markdown, path, start, end, heading, intro)
 
 
 def plot(result: dict, path: Union[str, Path]) -> None:

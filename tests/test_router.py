@@ -7,16 +7,7 @@ import torch
 from minfer.distill import init_draft_from_target
 from minfer.router import (Answer, Router, cost_ratio, evaluate_routing, greedy_answer, route, routing_cost,
                            routing_prompts)
-from minfer.config import ModelConfig
-from minfer.models.llama import LlamaModel
-
-
-def tiny_target(seed: int = 0) -> LlamaModel:
-    torch.manual_seed(seed)
-    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
-                         num_kv_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-5,
-                         max_position_embeddings=64, tie_word_embeddings=True)
-    return LlamaModel(config).eval()
+from test_distill import tiny_target
 
 
 def test_route_escalates_when_unsure():
@@ -90,7 +81,7 @@ def test_router_thresholds_at_the_extremes():
 
 def test_cost_ratio_of_a_model_with_itself_is_about_one():
     model = tiny_target()
-    assert 1 / 3 < cost_ratio(model, model, context=8, steps=8, repeats=3) < 3
+    assert 1 / 3 < cost_ratio(model, model, context_len=8, repeats=3) < 3
 
 
 def test_routing_prompts_are_labelled_and_reproducible(llm):

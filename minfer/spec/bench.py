@@ -39,7 +39,7 @@ def forward_cost(model: LlamaModel, context_len: int, num_tokens: int = 1, repea
     """Median seconds of one batch-1 forward pass over num_tokens new tokens after context_len cached ones."""
     weight = model.embed_tokens.weight
     cache = KVCache(model.config, 1, context_len + num_tokens, weight.dtype, weight.device)
-    ids = torch.randint(100, 1000, (1, context_len + num_tokens), device=weight.device)
+    ids = torch.randint(0, model.config.vocab_size, (1, context_len + num_tokens), device=weight.device)
     model(ids[:, :context_len], torch.arange(context_len, device=weight.device)[None], cache)
     positions = torch.arange(context_len, context_len + num_tokens, device=weight.device)[None]
     times = []
