@@ -234,38 +234,6 @@ KERNELS = textwrap.dedent("""
     print(f"int8 kernels == int8 references; largest difference from the unquantized reference: {worst:.4f}")
 """)
 
-ENGINE = textwrap.dedent("""
-    import random, tempfile
-    from minfer import LLM, SamplingParams
-    from minfer.benchmark import random_checkpoint
-
-    folder = random_checkpoint(tempfile.mkdtemp(), "tiny")
-    rng = random.Random(1)
-    prompts = [{"prompt_token_ids": [rng.randrange(3, 512) for _ in range(rng.randint(1, 40))]} for _ in range(5)]
-    params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 12), ignore_eos=True) for _ in prompts]
-    results = {}
-    for use_kernels in (False, True):
-        llm = LLM(folder, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=24,
-                  num_gpu_blocks_override=40, kv_cache_dtype="int8")
-        llm.engine.use_kernels = use_kernels
-        results[use_kernels] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        # one request alone: steps of a single decode token (K and V then differ in a size-1 stride)
-        results[use_kernels].append(llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                                                 use_tqdm=False)[0].outputs[0].token_ids)
-        assert llm.engine.stats.steps > 3 and llm.engine.blocks.num_free_blocks == 40
-    assert results[True] == results[False], results
-    print("int8 kernel path == int8 gather path:", sum(map(len, results[True])), "tokens")
-    solo = {}  # the same single-token steps with the model's dtype in the pools
-    for use_kernels in (False, True):
-        llm = LLM(folder, dtype="float32", device="cpu", block_size=4, num_gpu_blocks_override=8)
-        llm.engine.use_kernels = use_kernels
-        solo[use_kernels] = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                                         use_tqdm=False)[0].outputs[0].token_ids
-    assert solo[True] == solo[False], solo
-    print("single decode tokens: kernel path == gather path")
-""")
-
-
 def run_interpreted(script: str) -> str:
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-c", "import math\n" + script], env=env, capture_output=True, text=True,
@@ -278,9 +246,3 @@ def test_int8_kernels_match_their_references():
     out = run_interpreted(KERNELS)
     print(out)
     assert "int8 kernels == int8 references" in out
-
-
-def test_engine_int8_kernel_path_matches_gather_path():
-    out = run_interpreted(ENGINE)
-    print(out)
-    assert "int8 kernel path == int8 gather path" in out and "single decode tokens" in out
