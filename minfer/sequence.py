@@ -98,7 +98,6 @@ class Sequence:
                                 None if self.logprobs is None else list(self.logprobs), self.cumulative_logprob)
 
 
-
 @dataclass(eq=False)
 class Request:
     """One prompt and its n completions (n > 1 only when SamplingParams.n asks for more)."""

@@ -110,11 +110,12 @@ class PagedStep:
         if self.decodes:  # decodes are packed after the prefills: one gather (or one kernel) serves them all
             self.decode_tables = block_tables(self.decodes, device)
             self.decode_lens = torch.tensor([s.context_len for s in self.decodes], dtype=torch.int32, device=device)
-            positions = torch.arange(self.decode_tables.shape[1] * pool.block_size, device=device)
-            self.decode_mask = (positions[None] < self.decode_lens[:, None])[:, None, None, :]  # [seqs, 1, 1, kv]
-        # built once per step, not once per layer
-        self.prefill_rows = [torch.tensor([s.block_table], device=device) for s in self.prefills]
-        if self.prefills and use_kernels:
+            if not use_kernels:  # the gather path pads every decode to the longest table: mask the padding
+                positions = torch.arange(self.decode_tables.shape[1] * pool.block_size, device=device)
+                self.decode_mask = (positions[None] < self.decode_lens[:, None])[:, None, None, :]  # [seqs, 1, 1, kv]
+        if not use_kernels:  # the gather path's per-prefill block tables, built once per step, not once per layer
+            self.prefill_rows = [torch.tensor([s.block_table], device=device) for s in self.prefills]
+        elif self.prefills:
             self.prefill_tables = block_tables(self.prefills, device)
             self.prefill_lens = torch.tensor([s.context_len for s in self.prefills], dtype=torch.int32, device=device)
             starts = [s.query_start for s in self.prefills] + [self.decode_start]
