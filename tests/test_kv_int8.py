@@ -18,7 +18,7 @@ import torch
 from minfer import LLM, SamplingParams
 from minfer.engine.engine import Engine
 from minfer.engine.paged_kv import KVPool, PagedStep, SequenceSlice
-from minfer.quant.kv import dequantize_kv, quantize_kv
+from minfer.formats.kv import dequantize_kv, quantize_kv
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three laws of thermodynamics state that", "import numpy as np\n", "Water boils at"]

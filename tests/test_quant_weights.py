@@ -22,7 +22,7 @@ from minfer.quant import linear_weight_bytes, model_weight_bytes, quantize_model
 from minfer.quant.gguf_q4_1 import q4_1_block, read_q4_1, requantize_agreement
 from minfer.quant.linear import Int4Linear, Int8Linear, allowed_group_sizes
 from minfer.quant.torch_ops import dequantize_int4_cpu, int4_mm_cpu, int8_mm_cpu, pack_int4_for_cpu
-from minfer.quant.weights import (dequantize_int4, dequantize_int8, pack_int4, quantize_int4_groupwise,
+from minfer.formats.weights import (dequantize_int4, dequantize_int8, pack_int4, quantize_int4_groupwise,
                                   quantize_int8_per_channel, unpack_int4)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -118,7 +118,7 @@ def test_cpu_int4_kernel_matches_reference(group_size, dtype):
 KERNEL_SCRIPT = textwrap.dedent("""
     import tempfile, torch
     from minfer.kernels.quant_matmul import int4_matmul, int4_matmul_reference, int8_matmul, int8_matmul_reference
-    from minfer.quant.weights import pack_int4, quantize_int4_groupwise, quantize_int8_per_channel
+    from minfer.formats.weights import pack_int4, quantize_int4_groupwise, quantize_int8_per_channel
     from minfer import LLM
     from minfer.benchmark import random_checkpoint
     from minfer.quant import quantize_model

@@ -50,7 +50,7 @@ class Engine:
                  num_speculative_tokens: int = 0) -> None:
         """use_kernels: attend with the Triton paged kernels. None (auto): on CUDA, unless the model's
         attention function was replaced (a learner's function needs the gather path that calls it).
-        kv_cache_dtype: "auto" (the model's dtype) or "int8" (see minfer/quant/kv.py).
+        kv_cache_dtype: "auto" (the model's dtype) or "int8" (see minfer/formats/kv.py).
         proposer, num_speculative_tokens: speculative decoding (see minfer/spec): every decoding
         sequence gets up to that many draft tokens, verified in the same pass as its last token."""
         self.model, self.tokenizer, self.eos_token_ids = model, tokenizer, eos_token_ids

@@ -6,7 +6,7 @@
 block * block_size + offset. The pools hold the model's dtype (kv_cache_dtype "auto") or int8
 ("int8"): then a float32 scale per (token, KV head) sits beside them, [num_blocks, block_size,
 num_kv_heads] per layer, tokens are quantized as they are stored and dequantized as they are read
-(`minfer/quant/kv.py`), and the same memory holds about twice as many tokens as bfloat16.
+(`minfer/formats/kv.py`), and the same memory holds about twice as many tokens as bfloat16.
 
 `PagedStep` describes one step's batch: the new tokens of every scheduled sequence packed
 into one row (prefill chunks first, then one token per decoding sequence), where each
@@ -28,7 +28,7 @@ import torch
 
 from minfer.config import ModelConfig
 from minfer.layers.attention import AttentionFn
-from minfer.quant.kv import dequantize_kv, quantize_kv
+from minfer.formats.kv import dequantize_kv, quantize_kv
 
 KV_CACHE_DTYPES = ("auto", "int8")  # vLLM's name; its "fp8" formats are not implemented here
 

@@ -36,7 +36,7 @@ A slot of -1 means "no slot": padding tokens of a batch are skipped, not written
 int8 pools
 ----------
 The pools may hold int8 instead of the model's dtype (``LLM(kv_cache_dtype="int8")``, see
-``minfer/quant/kv.py``). Then each (token, KV head) vector also has a float32 scale, kept in a
+``minfer/formats/kv.py``). Then each (token, KV head) vector also has a float32 scale, kept in a
 scale pool beside each K and V pool, addressed by the same slots without the head_dim axis:
 
     scales: [num_blocks, block_size, num_kv_heads]   float32, value = int8 * scale
@@ -63,7 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.quant.kv import dequantize_kv, quantize_kv
+from minfer.formats.kv import dequantize_kv, quantize_kv
 
 
 def use_triton(x: torch.Tensor) -> bool:

@@ -11,7 +11,7 @@ fewer bytes than bfloat16, and that is the whole speed-up weight-only quantizati
 The reference
 -------------
 ``int8_matmul_reference`` and ``int4_matmul_reference`` do the obvious thing: rebuild the float
-matrix (``minfer.quant.weights.dequantize_*``), then ``x @ W.T``. Correct, but it writes a full
+matrix (``minfer.formats.weights.dequantize_*``), then ``x @ W.T``. Correct, but it writes a full
 float copy of W and reads it back: more memory traffic than the unquantized model, not less.
 
 The kernels
@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from minfer.kernels.paged_cache import use_triton
-from minfer.quant.weights import dequantize_int4, dequantize_int8
+from minfer.formats.weights import dequantize_int4, dequantize_int8
 
 
 def int8_matmul_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

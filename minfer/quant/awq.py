@@ -63,7 +63,7 @@ import torch
 from torch import nn
 
 from minfer.evaluate import eval_text
-from minfer.quant.weights import quantize_int4_groupwise
+from minfer.formats.weights import quantize_int4_groupwise
 
 CALIBRATION_TOPICS = ("specialnames", "typesseq", "formatstrings", "compound", "string-methods", "typesmapping")
 CALIBRATION_TOKENS = 2048

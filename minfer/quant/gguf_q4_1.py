@@ -11,7 +11,7 @@ each covering 32 consecutive weights of one row (along the input dimension):
 
     weight = d * q + m                      (5 bits per weight: 4 + 32 bits of d and m per 32)
 
-That is exactly ``minfer.quant.weights``' int4 with group_size 32, except for where the nibbles
+That is exactly ``minfer.formats.weights``' int4 with group_size 32, except for where the nibbles
 sit (GGUF pairs weight j with j + 16; we pair 2i with 2i + 1). So int4 g32, applied to weights
 that came out of this file, finds the same groups and can reproduce the stored numbers almost
 exactly: a flattering baseline. Honest int4 numbers use groups of 64 or 128 on this model, or a
@@ -24,7 +24,7 @@ import functools
 import numpy as np
 import torch
 
-from minfer.quant.weights import quantize_int4_groupwise
+from minfer.formats.weights import quantize_int4_groupwise
 
 Q4_1_GROUP = 32
 Q4_1_BLOCK_BYTES = 20

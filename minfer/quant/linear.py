@@ -36,7 +36,7 @@ from torch import nn
 from minfer.kernels.quant_matmul import int4_matmul, int4_matmul_reference, int8_matmul, int8_matmul_reference
 from minfer.quant.awq import apply_awq
 from minfer.quant.torch_ops import dequantize_int4_cpu, int4_cpu_unsupported, int4_mm_cpu, int8_mm_cpu, pack_int4_for_cpu
-from minfer.quant.weights import (INT4_GROUP_SIZES, dequantize_int4, dequantize_int8, pack_int4,
+from minfer.formats.weights import (INT4_GROUP_SIZES, dequantize_int4, dequantize_int8, pack_int4,
                                   quantize_int4_groupwise, quantize_int8_per_channel)
 
 QUANTIZATION_METHODS = ("int8", "int4", "awq")  # awq: int4 with activation-aware scales (minfer.quant.awq)

@@ -13,7 +13,7 @@ What we measured (torch 2.13, x86, one thread, a 3072x576 matrix, batch 1):
   the result back: the weights are already rounded far more coarsely than bfloat16 rounds x, and
   accumulation stays in float32 inside the kernel.
 
-The int4 kernel wants its own layout, not ours (``minfer.quant.weights``):
+The int4 kernel wants its own layout, not ours (``minfer.formats.weights``):
 - the 4-bit values pre-tiled for its SIMD loops by ``_convert_weight_to_int4pack_for_cpu`` (from
   an int32 [N, K] matrix of 0..15), which requires N to be a multiple of 16;
 - the group's parameters as ``scale_and_zero [K // group_size, N, 2]`` in the activation dtype,
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from minfer.quant.weights import unpack_int4
+from minfer.formats.weights import unpack_int4
 
 CPU_COMPUTE_DTYPE = torch.bfloat16
 INT4_CPU_INNER_K_TILES = 2  # the tiling torchao uses; the CPU kernel accepts 1, 2, 4 or 8

@@ -1,12 +1,12 @@
 """Chapter 06: int8 per channel, int4 in packed groups, int8 KV entries: error bounds and exact formats.
 
-The formats are checked against minfer's own (minfer.quant.weights), so a learner's int4 codes
+The formats are checked against minfer's own (minfer.formats.weights), so a learner's int4 codes
 are the ones the engine's kernels would read.
 """
 import pytest
 import torch
 
-from minfer.quant import weights as engine_format
+from minfer.formats import weights as engine_format
 
 
 def layer_like(out_features: int = 24, in_features: int = 128, seed: int = 0) -> torch.Tensor:
