@@ -1,7 +1,22 @@
-"""The shape of a Llama-family model: everything the code needs to build it."""
+"""Two configurations: the shape of a model (`ModelConfig`), and how the engine serves it (`EngineConfig`)."""
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+
+from minfer.formats.kv import kv_vector_bytes
+from minfer.formats.weights import INT4_GROUP_SIZES
+
+DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "half": torch.float16}
+KV_CACHE_DTYPES = ("auto", "int8")  # vLLM's names; its "fp8" formats are not implemented here
+QUANTIZATION_METHODS = ("int8", "int4", "awq")  # awq: int4 with activation-aware scales (minfer.quant.awq)
+MAX_SPECULATIVE_TOKENS = 16
+CPU_KV_CACHE_BYTES = 2**30  # the KV pool on CPU when no size is given
 
 
 @dataclass(frozen=True)
@@ -26,10 +41,10 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """KV cache bytes per token in float32: 2 (K and V) x layers x kv_heads x head_dim x 4."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+    def kv_bytes_per_token(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+        """KV cache bytes one token takes: K and V, every layer and KV head, in the cache's format
+        (the model's dtype, or int8 with its scales: see `minfer.formats.kv`)."""
+        return 2 * self.num_layers * self.num_kv_heads * kv_vector_bytes(self.head_dim, dtype, kv_cache_dtype)
 
     def to_hf_dict(self) -> dict:
         """The same shape as a transformers `config.json` (used to build the reference model)."""
@@ -52,3 +67,140 @@ class ModelConfig:
             "hidden_act": "silu",
             "torch_dtype": "float32",
         }
+
+
+@dataclass
+class EngineConfig:
+    """Every argument of `LLM` and the serving engine, under vLLM's names, checked in one place.
+
+    Model: model (a name such as 'smollm2-135m', a .gguf file or a Hugging Face directory), dtype
+    ('auto' | 'float32' | 'bfloat16' | 'float16'; auto: bfloat16 on CUDA, float32 on CPU), device
+    ('auto' | 'cpu' | 'cuda'), seed (for requests that bring no seed), max_model_len (the context
+    window; default the model's). quantization None | 'int8' | 'int4' | 'awq' and
+    quantization_group_size (int4 only: 32, 64 or 128; see `minfer.quant.linear`).
+
+    KV cache: block_size (tokens per block), kv_cache_dtype ('auto' = the model's dtype, or 'int8'),
+    and the pool's size: num_gpu_blocks_override (blocks, on any device), else kv_cache_memory_bytes,
+    else on CUDA gpu_memory_utilization x device memory minus what is in use, on CPU 1 GiB.
+
+    Scheduling: max_num_seqs (sequences per step), max_num_batched_tokens (tokens per step;
+    default 512 with chunked prefill, max_model_len without), enable_chunked_prefill,
+    enable_prefix_caching.
+
+    Speculative decoding: speculative_model ('[ngram]', a model name or path with the target's
+    tokenizer, a shipped draft such as 'smollm2-135m-draft', or a LlamaModel) with
+    num_speculative_tokens (1-16), both or neither.
+
+    enforce_eager: True runs every step eagerly; False compiles the decode step (see
+    `minfer.engine.model_runner`); None (default) chooses per device.
+
+    Construction checks what can be checked without the model; `fit_to_model` finishes the job
+    once the model's shape is known. device and dtype are resolved to torch objects.
+    """
+
+    model: str = "smollm2-135m"
+    dtype: Union[str, torch.dtype] = "auto"
+    device: Union[str, torch.device] = "auto"
+    seed: int = 0
+    max_model_len: Optional[int] = None
+    quantization: Optional[str] = None
+    quantization_group_size: Optional[int] = None
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    num_gpu_blocks_override: Optional[int] = None
+    kv_cache_memory_bytes: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 32
+    max_num_batched_tokens: Optional[int] = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    speculative_model: Any = None
+    num_speculative_tokens: Optional[int] = None
+    enforce_eager: Optional[bool] = None
+
+    @classmethod
+    def from_kwargs(cls, caller: str, **kwargs) -> "EngineConfig":
+        """EngineConfig(**kwargs), with an error for an unknown name that says who was called and what is allowed."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"{caller} got unexpected keyword arguments {unknown}; the engine arguments are {sorted(known)}")
+        return cls(**kwargs)
+
+    def __post_init__(self) -> None:
+        self.device = resolve_device(self.device)
+        self.dtype = resolve_dtype(self.dtype, self.device)
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override",
+                     "kv_cache_memory_bytes", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and not _is_positive_int(value):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be 'auto' (the model's dtype) or 'int8', got {self.kv_cache_dtype!r}")
+        if self.enforce_eager not in (None, True, False):
+            raise ValueError(f"enforce_eager must be True, False or None (choose per device), got {self.enforce_eager!r}")
+        check_quantization_args(self.quantization, self.quantization_group_size)
+        self._check_speculative_args()
+
+    def _check_speculative_args(self) -> None:
+        model, k = self.speculative_model, self.num_speculative_tokens
+        if (model is None) != (k is None):
+            raise ValueError("speculative_model and num_speculative_tokens go together: give both (e.g. "
+                             f"speculative_model='[ngram]', num_speculative_tokens=4) or neither, got {model!r} and {k!r}")
+        if model is None:
+            return
+        if not isinstance(model, (str, os.PathLike, torch.nn.Module)):
+            raise ValueError("speculative_model must be '[ngram]', a model name or path, or a LlamaModel, "
+                             f"got {type(model).__name__}")
+        if not _is_positive_int(k) or k > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+
+    def fit_to_model(self, model_config: ModelConfig) -> None:
+        """Fill in and check what depends on the model: the context window and the token budget."""
+        limit = model_config.max_position_embeddings
+        if self.max_model_len is not None and self.max_model_len > limit:
+            raise ValueError(f"max_model_len must be an integer in [1, {limit}] for this model, got {self.max_model_len!r}")
+        self.max_model_len = self.max_model_len or limit
+        if self.max_num_batched_tokens is None:  # a whole prompt per step if prompts cannot be chunked
+            self.max_num_batched_tokens = 512 if self.enable_chunked_prefill else self.max_model_len
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                             f">= max_model_len ({self.max_model_len}), or the longest prompts could never run")
+
+
+def _is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def resolve_device(device: Union[str, torch.device]) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"unknown device {device!r}: use 'auto', 'cpu' or 'cuda'") from exc
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype], device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":  # bfloat16 where the hardware is made for it; float32 on CPU, for exactness
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: use 'auto', 'float32', 'bfloat16' or 'float16'")
+    return DTYPES[dtype]
+
+
+def check_quantization_args(quantization: Optional[str], group_size: Optional[int]) -> None:
+    """What can be checked before loading anything (the group size is checked against the model later)."""
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"unknown quantization {quantization!r}: use one of {QUANTIZATION_METHODS} or None")
+    if group_size is not None and quantization not in ("int4", "awq"):
+        raise ValueError(f"quantization_group_size applies to quantization='int4' only (and 'awq', an int4), "
+                         f"got {group_size!r} with quantization={quantization!r}")
+    if group_size is not None and group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"quantization_group_size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")

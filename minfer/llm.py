@@ -14,146 +14,68 @@ from typing import Iterator, Optional, Union
 import torch
 from tqdm.auto import tqdm
 
+from minfer.config import EngineConfig
 from minfer.engine.engine import Engine
-from minfer.engine.paged_kv import KVPool, check_kv_cache_dtype
 from minfer.generate import generate_static_batch
 from minfer.layers.attention import AttentionFn, get_attention_fn
 from minfer.models.llama import LlamaModel
 from minfer.models.loader import DEFAULT_MODEL, load_model
 from minfer.outputs import RequestMetrics, RequestOutput
 from minfer.quant.awq import calibration_token_ids
-from minfer.quant.linear import check_quantization_args, quantize_model
+from minfer.quant.linear import quantize_model
 from minfer.sampling_params import SamplingParams
 from minfer.sequence import Request, Sequence
-from minfer.spec import check_speculative_args, make_proposer
+from minfer.spec import make_proposer
 
-DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-          "float16": torch.float16, "half": torch.float16}
 PromptType = Union[str, dict]
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"unknown device {device!r}: use 'auto', 'cpu' or 'cuda'") from exc
-
-
-def resolve_dtype(dtype: Union[str, torch.dtype], device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":  # bfloat16 where the hardware is made for it; float32 on CPU, for exactness
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}: use 'auto', 'float32', 'bfloat16' or 'float16'")
-    return DTYPES[dtype]
 
 
 class LLM:
     """Load a model and generate from it.
 
     model: 'smollm2-135m' (the default, shipped in a package), a .gguf file or a Hugging Face
-    directory. dtype: 'auto' | 'float32' | 'bfloat16' | 'float16'. device: 'auto' | 'cpu' | 'cuda'.
-    max_model_len: the context window (default: the model's). seed: seeds requests that bring no
-    seed of their own. attention: 'sdpa', 'reference' or your own function (see
-    `minfer.layers.attention`).
+    directory. attention: 'sdpa', 'reference' or your own function (see `minfer.layers.attention`).
+    Every other keyword is an engine argument with vLLM's name, checked by `minfer.config.EngineConfig`
+    before anything loads: dtype, device, seed, max_model_len, quantization (None, 'int8', 'int4',
+    'awq') and quantization_group_size, kv_cache_dtype ('auto', 'int8'), block_size, the KV pool's
+    size (num_gpu_blocks_override, kv_cache_memory_bytes, gpu_memory_utilization), max_num_seqs,
+    max_num_batched_tokens, enable_chunked_prefill, enable_prefix_caching, speculative_model with
+    num_speculative_tokens, enforce_eager. An unknown keyword raises TypeError.
 
-    Weight quantization (see `minfer.quant.linear`): quantization None, 'int8' (per output
-    channel) or 'int4' (groups along the input; quantization_group_size 32, 64 or 128, default the
-    largest that divides the model's sizes: 64 for SmolLM2-135M, whose hidden size 576 is not a
-    multiple of 128). The output head becomes int8 in both; the embedding stays exact.
-    quantization='awq': the same int4 (and group sizes) after activation-aware scales, computed
-    at load time on a fixed calibration text, are folded into the model (`minfer.quant.awq`).
+    Quantization (see `minfer.quant.linear`): 'int8' per output channel, 'int4' in groups along the
+    input (default group: the largest of 32/64/128 dividing the model's sizes, 64 for SmolLM2-135M),
+    'awq' the same int4 after activation-aware scales computed at load time on a fixed calibration
+    text (`minfer.quant.awq`). The output head becomes int8; the embedding stays exact.
+    kv_cache_dtype='int8' keeps a float32 scale per token and KV head: about 2x the tokens of
+    bfloat16 in the same memory (served by the paged engine, not by batching="static").
 
-    The serving engine (vLLM's names): block_size (tokens per KV block), max_num_seqs (sequences
-    per step), max_num_batched_tokens (tokens per step), enable_prefix_caching,
-    enable_chunked_prefill, and the KV pool's size: num_gpu_blocks_override (blocks, on any
-    device), else kv_cache_memory_bytes, else on CUDA gpu_memory_utilization x device memory
-    minus what is in use, on CPU 1 GiB. kv_cache_dtype: 'auto' (the model's dtype) or 'int8' (a
-    float32 scale per token and KV head; about 2x the tokens of bfloat16 in the same memory; served
-    by the paged engine, not by batching="static").
-
-    Speculative decoding (vLLM's names; see `minfer.spec`): speculative_model '[ngram]' (prompt
-    lookup), a model name or path with the target's tokenizer, or a shipped draft such as
-    'smollm2-135m-draft'; num_speculative_tokens: draft tokens per step, 1-16. The output keeps
-    exactly the target's distribution. Metrics: `llm.engine.spec_stats`.
+    Speculative decoding (see `minfer.spec`): speculative_model '[ngram]' (prompt lookup), a model
+    name or path with the target's tokenizer, or a shipped draft such as 'smollm2-135m-draft'. The
+    output keeps exactly the target's distribution. Metrics: `llm.engine.spec_stats`.
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, dtype: Union[str, torch.dtype] = "auto", device: str = "auto",
-                 max_model_len: Optional[int] = None, max_num_seqs: int = 32, seed: int = 0,
-                 attention: Union[str, AttentionFn] = "sdpa", block_size: int = 16,
-                 max_num_batched_tokens: Optional[int] = None, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, gpu_memory_utilization: float = 0.9,
-                 num_gpu_blocks_override: Optional[int] = None, kv_cache_memory_bytes: Optional[int] = None,
-                 kv_cache_dtype: str = "auto", speculative_model=None,
-                 num_speculative_tokens: Optional[int] = None, quantization: Optional[str] = None,
-                 quantization_group_size: Optional[int] = None) -> None:
-        check_quantization_args(quantization, quantization_group_size)
-        check_kv_cache_dtype(kv_cache_dtype)
-        check_speculative_args(speculative_model, num_speculative_tokens)
-        self.kv_cache_dtype = kv_cache_dtype
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        for name, value in [("max_num_seqs", max_num_seqs), ("block_size", block_size),
-                            ("max_num_batched_tokens", max_num_batched_tokens or 1),
-                            ("num_gpu_blocks_override", num_gpu_blocks_override or 1),
-                            ("kv_cache_memory_bytes", kv_cache_memory_bytes or 1)]:
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-        loaded = load_model(model, self.dtype)
+    def __init__(self, model: str = DEFAULT_MODEL, attention: Union[str, AttentionFn] = "sdpa", **engine_args) -> None:
+        config = EngineConfig.from_kwargs("LLM()", model=model, **engine_args)
+        loaded = load_model(config.model, config.dtype)
+        config.fit_to_model(loaded.config)
         self.config, self.tokenizer, self.model_path = loaded.config, loaded.tokenizer, loaded.path
-        limit = self.config.max_position_embeddings
-        if max_model_len is not None and not (isinstance(max_model_len, int) and 1 <= max_model_len <= limit):
-            raise ValueError(f"max_model_len must be an integer in [1, {limit}] for this model, got {max_model_len!r}")
-        self.max_model_len = max_model_len or limit
-        self.max_num_seqs = max_num_seqs
-        self.model = LlamaModel.from_weights(self.config, loaded.weights, self.dtype, self.device)
-        if quantization is not None:
-            calibration = calibration_token_ids(self.tokenizer) if quantization == "awq" else None
-            quantize_model(self.model, quantization, quantization_group_size, calibration_token_ids=calibration)
+        self.device, self.dtype = config.device, config.dtype
+        self.model = LlamaModel.from_weights(loaded.config, loaded.weights, config.dtype, config.device)
         del loaded
+        if config.quantization is not None:
+            calibration = calibration_token_ids(self.tokenizer) if config.quantization == "awq" else None
+            quantize_model(self.model, config.quantization, config.quantization_group_size,
+                           calibration_token_ids=calibration)
         self.set_attention(attention)
-        self.eos_token_ids = {t for t in (self.tokenizer.eos_token_id,) if t is not None}
-        self._seed_stream = torch.Generator().manual_seed(seed)
+        proposer = make_proposer(config.speculative_model, self.model, self.tokenizer, config.max_model_len,
+                                 config.dtype, config.device)
+        self.engine = Engine(self.model, self.tokenizer, config, proposer=proposer)
+        self._seed_stream = torch.Generator().manual_seed(config.seed)
         self._request_counter = 0
-        if max_num_batched_tokens is None:  # a whole prompt per step if prompts cannot be chunked
-            max_num_batched_tokens = 512 if enable_chunked_prefill else self.max_model_len
-        if not enable_chunked_prefill and max_num_batched_tokens < self.max_model_len:
-            raise ValueError(f"without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
-                             f"max_model_len ({self.max_model_len}), or the longest prompts could never run")
-        num_blocks = num_gpu_blocks_override or self._blocks_for_memory(block_size, kv_cache_memory_bytes,
-                                                                        gpu_memory_utilization, max_num_batched_tokens)
-        proposer = make_proposer(speculative_model, self.model, self.tokenizer, self.max_model_len, self.dtype,
-                                 self.device)
-        self.engine = Engine(self.model, self.tokenizer, self.eos_token_ids, num_blocks, block_size, max_num_seqs,
-                             max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill,
-                             kv_cache_dtype=kv_cache_dtype, proposer=proposer,
-                             num_speculative_tokens=num_speculative_tokens or 0)
 
-    def _blocks_for_memory(self, block_size: int, memory_bytes: Optional[int], utilization: float,
-                           step_tokens: int) -> int:
-        """How many KV blocks fit the budget. On CUDA: run one full-size step first, then give the
-        cache what is left of utilization x device memory after the weights, that step's peak
-        activations and whatever else holds device memory."""
-        per_block = KVPool.bytes_per_block(self.config, block_size, self.dtype, self.kv_cache_dtype)
-        if memory_bytes is None and self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
-            tokens = torch.zeros(1, step_tokens, dtype=torch.long, device=self.device)
-            self.model(tokens, torch.arange(step_tokens, device=self.device)[None])
-            free, total = torch.cuda.mem_get_info(self.device)
-            elsewhere = total - free - torch.cuda.memory_reserved(self.device)  # other processes, CUDA context
-            memory_bytes = int(total * utilization) - torch.cuda.max_memory_allocated(self.device) - elsewhere
-        elif memory_bytes is None:
-            memory_bytes = 2**30
-        if memory_bytes < per_block:
-            raise ValueError(f"the KV cache budget ({memory_bytes} bytes) is smaller than one block ({per_block} bytes): "
-                             "raise gpu_memory_utilization or kv_cache_memory_bytes")
-        return memory_bytes // per_block
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
 
     # ------------------------------------------------------------------ public API
     def get_tokenizer(self):
@@ -174,8 +96,9 @@ class LLM:
         """
         if batching not in ("continuous", "static"):
             raise ValueError(f"batching must be 'continuous' or 'static', got {batching!r}")
-        if (batching == "static" or not use_cache) and self.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} lives in the paged engine: use "
+        kv_cache_dtype = self.engine.config.kv_cache_dtype
+        if (batching == "static" or not use_cache) and kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} lives in the paged engine: use "
                              "batching='continuous' with use_cache=True, or an LLM with kv_cache_dtype='auto'")
         if (batching == "static" or not use_cache) and self.engine.proposer is not None:
             raise ValueError("speculative decoding runs in the serving engine: use batching='continuous' with "
@@ -184,9 +107,10 @@ class LLM:
         bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm or len(requests) < 2)
         if batching == "static" or not use_cache:
             sequences = [seq for request in requests for seq in request.seqs]
-            for start in range(0, len(sequences), self.max_num_seqs):
-                batch = sequences[start:start + self.max_num_seqs]
-                for _ in generate_static_batch(self.model, self.tokenizer, batch, self.eos_token_ids, use_cache):
+            batch_size = self.engine.config.max_num_seqs
+            for start in range(0, len(sequences), batch_size):
+                batch = sequences[start:start + batch_size]
+                for _ in generate_static_batch(self.model, self.tokenizer, batch, self.engine.eos_token_ids, use_cache):
                     pass
                 bar.update(sum(any(r.seqs[-1] is s for s in batch) for r in requests))
         else:

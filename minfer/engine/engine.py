@@ -1,18 +1,24 @@
 """The serving engine: requests in, one scheduled step at a time, outputs out.
 
+    engine = Engine(model, tokenizer, EngineConfig(num_gpu_blocks_override=64))   # or keywords:
+    engine = Engine(model, tokenizer, num_gpu_blocks_override=64, max_num_seqs=8)
     engine.add_request(request)           # a minfer.sequence.Request (LLM.add_request makes one)
     while engine.has_unfinished_requests():
         for output in engine.step():      # RequestOutputs of the requests that moved this step
             ...
     engine.abort_request(request_id)      # at any time; its blocks return to the pool
 
-A step: the scheduler picks (sequence, new tokens) pairs; their tokens are packed into one row
-with positions and KV slots; one forward pass computes them all through the paged cache; the
-sequences that reached the end of what they know sample their next token.
+Where a request goes, file by file:
+
+    engine.py        add_request, then every step: schedule -> run -> postprocess
+    scheduler.py       who runs this step and with how many tokens (budget, chunked prefill, preemption)
+    block_manager.py   where their K/V live: blocks, reference counts, prefix hashes
+    model_runner.py    the step's tensors, the forward pass, batched sampling
+    paged_kv.py        the KV pool, and attention over it during the forward pass
 
 With speculative decoding (a proposer, see minfer/spec), each decoding sequence first gets up to
 k draft tokens appended tentatively; its chunk is then 1 + k tokens, the pass returns logits at
-all of them, and verification keeps the accepted drafts plus one token and rolls the sequence
+all of them, and `_accept_drafts` keeps the accepted drafts plus one token and rolls the sequence
 back past the rest (num_computed, sealed blocks and block table cover accepted tokens only).
 """
 from __future__ import annotations
@@ -23,11 +29,10 @@ from typing import Optional
 
 import torch
 
+from minfer.config import EngineConfig
 from minfer.engine.block_manager import BlockManager
-from minfer.engine.paged_kv import KVPool, PagedStep, SequenceSlice
+from minfer.engine.model_runner import ModelRunner, StepOutput
 from minfer.engine.scheduler import Scheduler
-from minfer.layers.attention import attention_sdpa
-from minfer.layers.sampler import sample_next_tokens
 from minfer.logprobs import logprobs_of
 from minfer.models.llama import LlamaModel
 from minfer.outputs import RequestOutput
@@ -43,25 +48,26 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model: LlamaModel, tokenizer, eos_token_ids: set[int], num_blocks: int, block_size: int = 16,
-                 max_num_seqs: int = 32, max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, use_kernels: Optional[bool] = None,
-                 kv_cache_dtype: str = "auto", proposer: Optional[Proposer] = None,
-                 num_speculative_tokens: int = 0) -> None:
-        """use_kernels: attend with the Triton paged kernels. None (auto): on CUDA, unless the model's
-        attention function was replaced (a learner's function needs the gather path that calls it).
-        kv_cache_dtype: "auto" (the model's dtype) or "int8" (see minfer/formats/kv.py).
-        proposer, num_speculative_tokens: speculative decoding (see minfer/spec): every decoding
-        sequence gets up to that many draft tokens, verified in the same pass as its last token."""
-        self.model, self.tokenizer, self.eos_token_ids = model, tokenizer, eos_token_ids
-        self.use_kernels = use_kernels
-        weight = model.embed_tokens.weight
-        self.pool = KVPool(model.config, num_blocks, block_size, weight.dtype, weight.device, kv_cache_dtype)
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
+    def __init__(self, model: LlamaModel, tokenizer, config: Optional[EngineConfig] = None, *,
+                 proposer: Optional[Proposer] = None, use_kernels: Optional[bool] = None, **engine_args) -> None:
+        """config: an EngineConfig, or its fields as keywords (vLLM's names; see `minfer.config`).
+        proposer: speculative decoding (see minfer/spec): every decoding sequence gets up to
+        config.num_speculative_tokens draft tokens, verified in the same pass as its last token.
+        use_kernels: see `ModelRunner` (None: the Triton kernels on CUDA)."""
+        if config is not None and engine_args:
+            raise TypeError(f"give an EngineConfig or keywords, not both (got {sorted(engine_args)})")
+        config = config or EngineConfig.from_kwargs("Engine()", **engine_args)
+        config.fit_to_model(model.config)
+        self.config, self.model, self.tokenizer = config, model, tokenizer
+        self.eos_token_ids = {t for t in (tokenizer.eos_token_id,) if t is not None}
+        self.runner = ModelRunner(model, config, use_kernels)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
-        self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens
+        self.proposer = proposer
+        self.num_speculative_tokens = (config.num_speculative_tokens or 0) if proposer is not None else 0
         self.spec_stats = SpecDecodeStats()
 
     # ---------------------------------------------------------------- requests
@@ -118,61 +124,45 @@ class Engine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("nothing could be scheduled although requests wait: the KV pool is too small")
             return []
-        # prefill chunks first, then the decodes, so that PagedStep serves all decodes with one gather
-        batch.sort(key=lambda item: item[1] == 1)
-        input_ids, positions, slots, slices, sample_at, sampled = [], [], [], [], [], []
-        score_at, scored = [], []  # prompt positions whose logits score the next prompt token (prompt_logprobs)
-        bs = self.blocks.block_size
-        for seq, count in batch:
-            start = seq.num_computed
-            slices.append(SequenceSlice(len(input_ids), count, start + count, seq.block_table))
-            if seq.needs_prompt_logits:  # positions [first, last) of this chunk, not scored before a preemption
-                first = max(start, len(seq.prompt_logprobs) - 1)
-                last = min(start + count, len(seq.prompt_token_ids) - 1)
-                if first < last:
-                    score_at += range(len(input_ids) + first - start, len(input_ids) + last - start)
-                    scored.append((seq, first, last))
-            known = seq.token_ids + seq.spec_token_ids  # draft tokens ride along to be verified
-            input_ids += known[start:start + count]
-            positions += range(start, start + count)
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + count)]
-            if start + count == len(known):  # it has computed all it knows: sample the next token
-                sample_at += range(len(input_ids) - 1 - len(seq.spec_token_ids), len(input_ids))  # (and verify drafts)
-                sampled.append(seq)
-        device = self.pool.k.device
-        use_kernels = self.use_kernels
-        if use_kernels is None:
-            use_kernels = device.type == "cuda" and self.model.attention_fn is attention_sdpa
-        step = PagedStep(self.pool, slices, torch.tensor(slots, device=device), use_kernels)
-        logits = self.model(torch.tensor([input_ids], device=device), torch.tensor([positions], device=device), step,
-                            logits_indices=torch.tensor(sample_at + score_at, dtype=torch.long, device=device))[0]
-        at = len(sample_at)  # the prompt positions' logits follow the sampling rows
-        for seq, first, last in scored:
-            seq.prompt_logprobs += logprobs_of(logits[at:at + last - first], seq.prompt_token_ids[first + 1:last + 1],
+        output = self.runner.run(batch)
+        self._score_prompts(output)
+        self._advance(batch, output.num_tokens)
+        return self._postprocess(output)
+
+    def _score_prompts(self, output: StepOutput) -> None:
+        """prompt_logprobs: the logits at prompt positions follow the sampling rows."""
+        at = output.sampled[-1][1].stop if output.sampled else 0
+        for seq, first, last in output.scored:
+            seq.prompt_logprobs += logprobs_of(output.logits[at:at + last - first], seq.prompt_token_ids[first + 1:last + 1],
                                                seq.params.prompt_logprobs, self.tokenizer)
             at += last - first
+
+    def _advance(self, batch: list[tuple[Sequence, int]], num_tokens: int) -> None:
+        """The scheduled tokens are in the cache now: count them, and seal the blocks they filled."""
         for seq, count in batch:
             seq.num_computed = min(seq.num_computed + count, len(seq.token_ids))  # drafts count once accepted
             self.blocks.seal_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
-        self.stats.computed_tokens += len(input_ids)
+        self.stats.computed_tokens += num_tokens
         self.stats.steps += 1
         self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, self.blocks.num_blocks - self.blocks.num_free_blocks)
-        touched, row = {}, 0
-        for seq in sampled:
-            first, row = row, row + 1 + len(seq.spec_token_ids)  # this sequence's logits: rows [first, row)
-            if seq.request_id not in self.requests:  # its request failed earlier in this loop
+
+    def _postprocess(self, output: StepOutput) -> list[RequestOutput]:
+        """Append each sampled token (or the accepted drafts), finish what is done, report who moved."""
+        touched = {}
+        for (seq, rows), token in zip(output.sampled, output.tokens):
+            request = self.requests.get(seq.request_id)
+            if request is None:  # its request failed earlier in this loop
                 continue
-            touched[seq.request_id] = self.requests[seq.request_id]
+            touched[seq.request_id] = request
             try:
                 if seq.spec_token_ids:
-                    self._accept_drafts(seq, logits[first:row])
+                    self._accept_drafts(seq, output.logits[rows])
                 else:
-                    (token,) = sample_next_tokens(logits[first:row], [seq.params], [seq.generator])
                     if seq.logprobs is not None:  # of the raw distribution, before temperature and top-k/p
-                        seq.add_logprobs(logprobs_of(logits[first:row], [token], seq.params.logprobs, self.tokenizer)[0])
+                        seq.add_logprobs(logprobs_of(output.logits[rows], [token], seq.params.logprobs, self.tokenizer)[0])
                     seq.append(token, self.tokenizer, self.eos_token_ids)
             except Exception as exc:  # one broken request must not take the batch down
-                self._fail(touched[seq.request_id], exc)
+                self._fail(request, exc)
                 continue
             if seq.finished:
                 self.scheduler.remove(seq)

@@ -26,22 +26,17 @@ from typing import Optional
 
 import torch
 
-from minfer.config import ModelConfig
-from minfer.layers.attention import AttentionFn
+from minfer.config import KV_CACHE_DTYPES, ModelConfig
 from minfer.formats.kv import dequantize_kv, quantize_kv
-
-KV_CACHE_DTYPES = ("auto", "int8")  # vLLM's name; its "fp8" formats are not implemented here
-
-
-def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be 'auto' (the model's dtype) or 'int8', got {kv_cache_dtype!r}")
+from minfer.kernels.paged_cache import slots_for_positions
+from minfer.layers.attention import AttentionFn
 
 
 class KVPool:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, kv_cache_dtype: str = "auto") -> None:
-        check_kv_cache_dtype(kv_cache_dtype)
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.quantized = kv_cache_dtype == "int8"
         self.dtype = dtype  # the model's: what reads return
@@ -52,13 +47,9 @@ class KVPool:
         self.v_scale = torch.zeros_like(self.k_scale) if self.quantized else None
         self.block_size = block_size
 
-    @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-        """K and V bytes of one block over all layers, the int8 format's scales included."""
-        check_kv_cache_dtype(kv_cache_dtype)
-        # a (token, KV head) vector: head_dim values, or head_dim int8s and a 4-byte scale
-        vector = config.head_dim * dtype.itemsize if kv_cache_dtype == "auto" else config.head_dim + 4
-        return 2 * config.num_layers * block_size * config.num_kv_heads * vector
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -100,23 +91,29 @@ class SequenceSlice:
 
 
 class PagedStep:
-    def __init__(self, pool: KVPool, slices: list[SequenceSlice], slot_mapping: torch.Tensor,
+    def __init__(self, pool: KVPool, slices: list[SequenceSlice], positions: torch.Tensor,
                  use_kernels: bool = False) -> None:
-        self.pool, self.slices, self.slot_mapping, self.use_kernels = pool, slices, slot_mapping, use_kernels
+        """slices: the scheduled sequences, prefills first, then decodes (one query each); positions:
+        the packed tokens' positions (a CPU tensor), from which each token's KV slot follows."""
+        self.pool, self.slices, self.use_kernels = pool, slices, use_kernels
         self.prefills = [s for s in slices if s.query_len > 1]
         self.decodes = [s for s in slices if s.query_len == 1]
-        self.decode_start = self.decodes[0].query_start if self.decodes else len(slot_mapping)
-        device = slot_mapping.device
+        self.decode_start = self.decodes[0].query_start if self.decodes else len(positions)
+        device = pool.k.device
+        tables = block_tables(slices)
+        token_rows = tables.repeat_interleave(torch.tensor([s.query_len for s in slices]), dim=0)
+        self.slot_mapping = slots_for_positions(token_rows, positions, pool.block_size).to(device)
         if self.decodes:  # decodes are packed after the prefills: one gather (or one kernel) serves them all
-            self.decode_tables = block_tables(self.decodes, device)
+            width = max(len(s.block_table) for s in self.decodes)
+            self.decode_tables = tables[len(self.prefills):, :width].to(device)
             self.decode_lens = torch.tensor([s.context_len for s in self.decodes], dtype=torch.int32, device=device)
             if not use_kernels:  # the gather path pads every decode to the longest table: mask the padding
-                positions = torch.arange(self.decode_tables.shape[1] * pool.block_size, device=device)
-                self.decode_mask = (positions[None] < self.decode_lens[:, None])[:, None, None, :]  # [seqs, 1, 1, kv]
+                kv_positions = torch.arange(width * pool.block_size, device=device)
+                self.decode_mask = (kv_positions[None] < self.decode_lens[:, None])[:, None, None, :]  # [seqs, 1, 1, kv]
         if not use_kernels:  # the gather path's per-prefill block tables, built once per step, not once per layer
-            self.prefill_rows = [torch.tensor([s.block_table], device=device) for s in self.prefills]
+            self.prefill_rows = [tables[i:i + 1, :len(s.block_table)].to(device) for i, s in enumerate(self.prefills)]
         elif self.prefills:
-            self.prefill_tables = block_tables(self.prefills, device)
+            self.prefill_tables = tables[:len(self.prefills)].to(device)
             self.prefill_lens = torch.tensor([s.context_len for s in self.prefills], dtype=torch.int32, device=device)
             starts = [s.query_start for s in self.prefills] + [self.decode_start]
             self.prefill_cu_seqlens = torch.tensor(starts, dtype=torch.int32, device=device)
@@ -169,11 +166,11 @@ class PagedStep:
         return out.transpose(0, 1).unsqueeze(0)
 
 
-def block_tables(slices: list[SequenceSlice], device: torch.device) -> torch.Tensor:
-    """The slices' block tables as one int32 [seqs, longest] tensor (short rows padded with block 0, never read)."""
+def block_tables(slices: list[SequenceSlice]) -> torch.Tensor:
+    """The slices' block tables as one int32 [seqs, longest] CPU tensor. Short rows are padded with
+    block 0: a valid address that no reader uses, since every reader stops at its sequence's length."""
     width = max(len(s.block_table) for s in slices)
-    return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in slices],
-                        dtype=torch.int32, device=device)
+    return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in slices], dtype=torch.int32)
 
 
 def gather(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

@@ -58,3 +58,13 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The inverse of ``quantize_kv``: q int8 [..., head_dim], scale [...] -> q * scale in ``dtype``."""
     return (q.float() * scale.float()[..., None]).to(dtype)
+
+
+def kv_vector_bytes(head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one cached (token, KV head) vector: head_dim values of the model's dtype ("auto"),
+    or head_dim int8 values and their float32 scale ("int8")."""
+    if kv_cache_dtype == "auto":
+        return head_dim * dtype.itemsize
+    if kv_cache_dtype == "int8":
+        return head_dim + 4
+    raise ValueError(f"kv_cache_dtype must be 'auto' (the model's dtype) or 'int8', got {kv_cache_dtype!r}")

@@ -18,8 +18,10 @@ Per layer there is one K pool and one V pool, each
     pool: [num_blocks, block_size, num_kv_heads, head_dim]
 
 shared by every sequence in the batch. A sequence owns a list of block ids, its row of the block
-table (``int32``, padded with -1 past the blocks it owns; padding is never read, because every
-kernel stops at the sequence's length):
+table (``int32``). Rows are as wide as the longest sequence's list, so shorter ones are padded
+past the blocks they own: the engine pads with block 0 (``minfer/engine/paged_kv.py``), the tests
+with -1. The padding's value does not matter: every kernel masks the positions at and past a
+sequence's length, so it never loads those table entries, let alone uses one as an address.
 
     block_tables:  [num_seqs, max_blocks_per_seq]   int32
     context_lens:  [num_seqs]                       int32, tokens stored for each sequence
@@ -53,6 +55,14 @@ The interpreter is chosen by the environment variable ``TRITON_INTERPRET=1``, re
 must be set before triton is first imported.
 Every wrapper here runs its Triton kernel on CUDA tensors or under the interpreter
 (``use_triton``), and otherwise falls back to its PyTorch reference.
+
+The interpreter is not a GPU: it accepts some kernels the GPU compiler rejects (a ``tl.dot`` whose
+inner side is under 16), knows nothing of shared memory or registers, and computes float32
+``tl.dot`` in float32 where a GPU would round to TF32 unless told ``input_precision="ieee"``
+(which every kernel here says). ``tests/test_kernel_compile.py`` closes that gap without a GPU:
+it compiles every kernel variant the engine launches to a cubin for sm_80 and sm_90, with the
+compiler and ``ptxas`` Triton ships, and checks their shared memory and registers
+(``python benchmarks/kernel_resources.py`` prints them).
 """
 from __future__ import annotations
 
@@ -72,9 +82,13 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 def slots_for_positions(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The slots of one sequence's tokens at ``positions``: block_table[p // block_size] * block_size + p % block_size."""
+    """The slots of tokens at ``positions``: block_table[p // block_size] * block_size + p % block_size.
+
+    block_table: one sequence's row [max_blocks], or one row per position [len(positions), max_blocks]
+    (a batch of sequences packed together, each token with its own sequence's row)."""
     positions = positions.long()
-    return block_table.long()[positions // block_size] * block_size + positions % block_size
+    rows = block_table.long().expand(len(positions), -1) if block_table.dim() == 1 else block_table.long()
+    return rows.gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size
 
 
 def gather_kv(pool: torch.Tensor, block_table: torch.Tensor, length: int,
@@ -119,7 +133,8 @@ def check_scales(k_pool: torch.Tensor, k_scales: Optional[torch.Tensor], v_scale
 
 
 def check_tile(name: str, size: int) -> None:
-    """Tile sizes feed tl.arange (powers of two only) and tl.dot (at least 16 along every side on a GPU)."""
+    """Tile sizes feed tl.arange (powers of two only) and tl.dot (on a GPU, 16 along the inner side for
+    16-bit operands; older Triton versions want 16 along every side)."""
     if size < 16 or size & (size - 1):
         raise ValueError(f"{name} must be a power of two >= 16, got {size}")
 
@@ -152,7 +167,8 @@ def load_kv_tile(table_ptr, k_pool_ptr, v_pool_ptr, k_scale_ptr, v_scale_ptr, po
     """K and V of one sequence's tokens at ``positions`` (one KV head), read through its block table.
 
     The page-table lookup every paged kernel shares: which block holds each position and where in
-    it. Masked positions (``token_ok`` False) load zeros, so the table's padding is never an address.
+    it. Masked positions (``token_ok`` False) read no table entry and load zero K/V, so whatever
+    pads a table row is never read.
     Returns two [len(positions), len(dims)] tiles. QUANTIZED (int8 pools): the tiles come back
     dequantized, in float32, each row times its token's scale; otherwise the scale arguments are
     unused (None) and the tiles keep the pools' dtype.

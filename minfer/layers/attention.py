@@ -16,12 +16,26 @@ KV head h // (num_heads // num_kv_heads).
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+
+
+class AttentionCache(Protocol):
+    """What the model asks of a KV cache (the contiguous `KVCache`, or the engine's paged step).
+
+    attend: store this layer's new k, v [batch, kv_heads, new, head_dim] where the cache keeps
+    them, then return the attention of the new queries q over everything the cache holds
+    (shaped like q). advance: called once per forward pass, after the last layer.
+    """
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_fn: AttentionFn,
+               mask: Optional[torch.Tensor]) -> torch.Tensor: ...
+
+    def advance(self, num_tokens: int) -> None: ...
 
 
 def causal_mask(q_len: int, kv_len: int, device=None) -> torch.Tensor:

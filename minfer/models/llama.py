@@ -9,18 +9,14 @@ stacks the separate checkpoint matrices into them.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minfer.config import ModelConfig
-from minfer.kv_cache import KVCache
-
-if TYPE_CHECKING:
-    from minfer.engine.paged_kv import PagedStep
-from minfer.layers.attention import AttentionFn, attention_sdpa
+from minfer.layers.attention import AttentionCache, AttentionFn, attention_sdpa
 
 
 class RMSNorm(nn.Module):
@@ -73,7 +69,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attention_fn: AttentionFn,
-                mask: Optional[torch.Tensor], kv_cache: Optional[KVCache | PagedStep], layer: int) -> torch.Tensor:
+                mask: Optional[torch.Tensor], kv_cache: Optional[AttentionCache], layer: int) -> torch.Tensor:
         batch, seq, _ = x.shape
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
@@ -137,13 +133,14 @@ class LlamaModel(nn.Module):
         return model.eval()
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: Optional[KVCache | PagedStep] = None,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: Optional[AttentionCache] = None,
                 mask: Optional[torch.Tensor] = None, last_only: bool = True,
                 logits_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
         """input_ids, positions: [batch, seq]. Returns logits [batch, seq or 1, vocab] in float32.
 
-        mask: see `minfer.layers.attention` (None = causal). kv_cache: a contiguous `KVCache` (the new
-        tokens follow the `kv_cache.length` already stored) or the engine's `PagedStep`.
+        mask: see `minfer.layers.attention` (None = causal). kv_cache: any `AttentionCache`, e.g. a
+        contiguous `minfer.kv_cache.KVCache` (the new tokens follow those already stored) or the
+        serving engine's paged step (`minfer.engine.paged_kv.PagedStep`).
         Logits are computed for the last position only (generation needs no more), for every
         position with last_only=False, or for the positions in logits_indices.
         """

@@ -34,12 +34,12 @@ import torch
 from torch import nn
 
 from minfer.kernels.quant_matmul import int4_matmul, int4_matmul_reference, int8_matmul, int8_matmul_reference
+from minfer.config import QUANTIZATION_METHODS, check_quantization_args
 from minfer.quant.awq import apply_awq
 from minfer.quant.torch_ops import dequantize_int4_cpu, int4_cpu_unsupported, int4_mm_cpu, int8_mm_cpu, pack_int4_for_cpu
 from minfer.formats.weights import (INT4_GROUP_SIZES, dequantize_int4, dequantize_int8, pack_int4,
                                   quantize_int4_groupwise, quantize_int8_per_channel)
 
-QUANTIZATION_METHODS = ("int8", "int4", "awq")  # awq: int4 with activation-aware scales (minfer.quant.awq)
 BACKENDS = ("auto", "reference", "torch", "triton")
 LAYER_LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
 
@@ -161,17 +161,6 @@ def resolve_group_size(config, group_size: Optional[int]) -> int:
         raise ValueError(f"int4 group size must be one of {allowed} for this model (it must divide hidden_size "
                          f"{config.hidden_size} and intermediate_size {config.intermediate_size}), got {group_size!r}")
     return group_size
-
-
-def check_quantization_args(quantization: Optional[str], group_size: Optional[int]) -> None:
-    """The checks `LLM` can make before loading anything (the group size is checked against the model later)."""
-    if quantization is not None and quantization not in QUANTIZATION_METHODS:
-        raise ValueError(f"unknown quantization {quantization!r}: use one of {QUANTIZATION_METHODS} or None")
-    if group_size is not None and quantization not in ("int4", "awq"):
-        raise ValueError(f"quantization_group_size applies to quantization='int4' only (and 'awq', an int4), "
-                         f"got {group_size!r} with quantization={quantization!r}")
-    if group_size is not None and group_size not in INT4_GROUP_SIZES:
-        raise ValueError(f"quantization_group_size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
 
 
 def quantize_model(model: nn.Module, method: str, group_size: Optional[int] = None, backend: str = "auto",

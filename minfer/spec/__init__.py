@@ -28,26 +28,8 @@ from minfer.spec.proposer import Proposal, Proposer
 from minfer.spec.rejection import greedy_verify, processed_probs, rejection_sample, verify
 from minfer.spec.stats import SpecDecodeStats
 
-MAX_SPECULATIVE_TOKENS = 16
-
 __all__ = ["Proposer", "Proposal", "NgramProposer", "DraftModelProposer", "SpecDecodeStats", "make_proposer",
            "ngram_lookup", "rejection_sample", "greedy_verify", "processed_probs", "verify"]
-
-
-def check_speculative_args(speculative_model, num_speculative_tokens) -> None:
-    if (speculative_model is None) != (num_speculative_tokens is None):
-        raise ValueError("speculative_model and num_speculative_tokens go together: give both (e.g. "
-                         "speculative_model='[ngram]', num_speculative_tokens=4) or neither, got "
-                         f"{speculative_model!r} and {num_speculative_tokens!r}")
-    if speculative_model is None:
-        return
-    if not isinstance(speculative_model, (str, os.PathLike, LlamaModel)):
-        raise ValueError("speculative_model must be '[ngram]', a model name or path, or a LlamaModel, "
-                         f"got {type(speculative_model).__name__}")
-    if (not isinstance(num_speculative_tokens, int) or isinstance(num_speculative_tokens, bool)
-            or not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):
-        raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
-                         f"got {num_speculative_tokens!r}")
 
 
 def make_proposer(speculative_model, target: LlamaModel, tokenizer, max_model_len: int, dtype: torch.dtype,

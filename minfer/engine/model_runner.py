@@ -1,0 +1,144 @@
+"""The model runner: a scheduled batch in, logits and next tokens out.
+
+It owns everything a step needs on the device, so that the engine above it only deals in
+sequences and tokens:
+
+* the KV pool, sized here from the engine config (the blocks that fit the memory budget);
+* the step's tensors (`prepare`): the new tokens of every scheduled sequence packed into one row,
+  their positions, the KV slot each one is written to, and each sequence's block table and length;
+* the attention path: the Triton kernels on CUDA, the gather path on CPU or when a learner's
+  attention function replaced the model's (the kernels cannot call it);
+* the forward pass, with logits only where someone reads them;
+* batched sampling: one call draws the next token of every sequence that gets one, each row with
+  its own settings and its own random generator.
+
+    runner = ModelRunner(model, config)
+    step = runner.run(batch)        # batch: [(sequence, new tokens), ...] from the scheduler
+    step.tokens                     # the next token of each plain sequence in step.sampled
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from minfer.config import CPU_KV_CACHE_BYTES, EngineConfig
+from minfer.engine.paged_kv import KVPool, PagedStep, SequenceSlice
+from minfer.layers.attention import attention_sdpa
+from minfer.layers.sampler import sample_next_tokens
+from minfer.models.llama import LlamaModel
+from minfer.sequence import Sequence
+
+
+@dataclass
+class StepOutput:
+    """What one forward pass produced, row by row.
+
+    sampled: the sequences that reached the end of what they know, each with its consecutive
+    logits rows: 1 + its number of draft tokens (the drafts are verified by the engine).
+    tokens: the sampled next token of each sampled sequence without drafts (None for the others).
+    scored: (sequence, first, last) prompt positions whose logits follow the sampled rows, for
+    prompt_logprobs. logits: float32 [rows, vocab].
+    """
+
+    sampled: list[tuple[Sequence, slice]]
+    tokens: list[Optional[int]]
+    scored: list[tuple[Sequence, int, int]]
+    logits: torch.Tensor
+    num_tokens: int  # tokens run through the model
+
+
+@dataclass
+class PreparedStep:
+    """The tensors of one step, and which logits rows belong to whom."""
+
+    input_ids: torch.Tensor  # [1, tokens]
+    positions: torch.Tensor  # [1, tokens]
+    paged: PagedStep
+    logits_indices: torch.Tensor  # the rows to compute logits for: sampling rows, then prompt-scoring rows
+    sampled: list[tuple[Sequence, slice]] = field(default_factory=list)  # logits rows of each sampled sequence
+    scored: list[tuple[Sequence, int, int]] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, config: EngineConfig, use_kernels: Optional[bool] = None) -> None:
+        """use_kernels: attend with the Triton paged kernels. None (auto): on CUDA, unless the model's
+        attention function was replaced (a learner's function needs the gather path that calls it)."""
+        self.model, self.config, self.use_kernels = model, config, use_kernels
+        weight = model.embed_tokens.weight
+        self.device = weight.device
+        num_blocks = config.num_gpu_blocks_override or self._blocks_for_memory()
+        self.pool = KVPool(model.config, num_blocks, config.block_size, weight.dtype, self.device, config.kv_cache_dtype)
+
+    def _blocks_for_memory(self) -> int:
+        """How many KV blocks fit the budget. On CUDA: run one full-size step first, then give the
+        cache what is left of utilization x device memory after the weights, that step's peak
+        activations and whatever else holds device memory."""
+        config, weight = self.config, self.model.embed_tokens.weight
+        per_block = self.model.config.kv_bytes_per_token(weight.dtype, config.kv_cache_dtype) * config.block_size
+        memory = config.kv_cache_memory_bytes
+        if memory is None and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            tokens = config.max_num_batched_tokens
+            self.model(torch.zeros(1, tokens, dtype=torch.long, device=self.device),
+                       torch.arange(tokens, device=self.device)[None])
+            free, total = torch.cuda.mem_get_info(self.device)
+            elsewhere = total - free - torch.cuda.memory_reserved(self.device)  # other processes, CUDA context
+            memory = int(total * config.gpu_memory_utilization) - torch.cuda.max_memory_allocated(self.device) - elsewhere
+        elif memory is None:
+            memory = CPU_KV_CACHE_BYTES
+        if memory < per_block:
+            raise ValueError(f"the KV cache budget ({memory} bytes) is smaller than one block ({per_block} bytes): "
+                             "raise gpu_memory_utilization or kv_cache_memory_bytes")
+        return memory // per_block
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def kernels_on(self) -> bool:
+        if self.use_kernels is not None:
+            return self.use_kernels
+        return self.device.type == "cuda" and self.model.attention_fn is attention_sdpa
+
+    # ---------------------------------------------------------------- one step
+    def prepare(self, batch: list[tuple[Sequence, int]]) -> PreparedStep:
+        """Pack the scheduled (sequence, new tokens) pairs: prefill chunks first, then decodes."""
+        batch = sorted(batch, key=lambda item: item[1] == 1)  # stable: decodes last, served together
+        input_ids, positions, slices, sample_at, sampled = [], [], [], [], []
+        score_at, scored = [], []  # prompt positions whose logits score the next prompt token (prompt_logprobs)
+        for seq, count in batch:
+            start = seq.num_computed
+            slices.append(SequenceSlice(len(input_ids), count, start + count, seq.block_table))
+            if seq.needs_prompt_logits:  # positions [first, last) of this chunk, not scored before a preemption
+                first = max(start, len(seq.prompt_logprobs) - 1)
+                last = min(start + count, len(seq.prompt_token_ids) - 1)
+                if first < last:
+                    score_at += range(len(input_ids) + first - start, len(input_ids) + last - start)
+                    scored.append((seq, first, last))
+            known = seq.token_ids + seq.spec_token_ids  # draft tokens ride along to be verified
+            input_ids += known[start:start + count]
+            positions += range(start, start + count)
+            if start + count == len(known):  # it has computed all it knows: sample the next token (and verify drafts)
+                rows = slice(len(sample_at), len(sample_at) + 1 + len(seq.spec_token_ids))
+                sample_at += range(len(input_ids) - 1 - len(seq.spec_token_ids), len(input_ids))
+                sampled.append((seq, rows))
+        device = self.device
+        paged = PagedStep(self.pool, slices, torch.tensor(positions), self.kernels_on())
+        return PreparedStep(torch.tensor([input_ids], device=device), torch.tensor([positions], device=device), paged,
+                            torch.tensor(sample_at + score_at, dtype=torch.long, device=device), sampled, scored)
+
+    def run(self, batch: list[tuple[Sequence, int]]) -> StepOutput:
+        """Prepare, run the model, and sample every sequence that gets a plain next token."""
+        step = self.prepare(batch)
+        logits = self.model(step.input_ids, step.positions, step.paged, logits_indices=step.logits_indices)[0]
+        plain = [i for i, (seq, _) in enumerate(step.sampled) if not seq.spec_token_ids]
+        seqs = [step.sampled[i][0] for i in plain]
+        drawn = sample_next_tokens(logits[[step.sampled[i][1].start for i in plain]], [s.params for s in seqs],
+                                   [s.generator for s in seqs]) if plain else []
+        tokens: list[Optional[int]] = [None] * len(step.sampled)
+        for i, token in zip(plain, drawn):
+            tokens[i] = token
+        return StepOutput(step.sampled, tokens, step.scored, logits, step.input_ids.shape[1])
