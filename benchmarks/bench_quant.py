@@ -6,7 +6,7 @@
 Configurations whose LLM arguments do not exist yet, or that do not fit the model (int4 g128 on
 SmolLM2-135M, whose hidden size 576 is not a multiple of 128), are skipped with the reason.
 llama.cpp is measured beside minfer when llama-cpp-python is installed (optional). The
-measurements and the scrambled-model rows are explained in `minfer/quant_bench.py`.
+measurements and the scrambled-model rows are explained in `minfer/bench/quant.py`.
 """
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from minfer import quant_bench as qb
-from minfer.benchmark import write_docs_section
+from minfer.bench import quant as qb
+from minfer.bench.common import write_docs_section
 
-DOCS_JSON = Path(__file__).resolve().parent.parent / "docs" / "bench_quant.json"
+DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"  # this checkout's docs page
 INTRO = ("Weight-only int8 (per output channel) and int4 (groups of 32/64/128, scale and zero point; 'awq': the same "
          "int4 after activation-aware scales and clipping computed at load time), and the int8 KV cache, against "
          "the unquantized model on the fixed evaluation set of `minfer/evaluate.py`, with bytes and decode speed, "
-         "all in one process. How each number is made: `minfer/quant_bench.py`.")
+         "all in one process. How each number is made: `minfer/bench/quant.py`.")
 
 
 def main(argv=None) -> int:
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     for name in ("num_tokens", "window", "stride", "max_tokens", "batch_size", "repeats"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, help=f"override the preset's {name}")
     parser.add_argument("--json", dest="json_path", help="write the results here (full run: docs/bench_quant.json)")
-    parser.add_argument("--update-docs", nargs="?", const="docs/benchmarks.md", default=None, metavar="PATH",
+    parser.add_argument("--update-docs", nargs="?", const=str(DOCS_PAGE), default=None, metavar="PATH",
                         help="replace the quantization section of docs/benchmarks.md (or PATH)")
     parser.add_argument("--render", metavar="JSON", help="only rebuild the table from a saved JSON")
     args = parser.parse_args(argv)

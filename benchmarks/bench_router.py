@@ -15,12 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+from pathlib import Path
 
 import torch
 
 from minfer import LLM
-from minfer.router import cost_ratio, evaluate_routing, greedy_answer, routing_prompts
-from minfer.benchmark import write_docs_section
+from minfer.bench.common import write_docs_section
+from minfer.bench.spec import cost_ratio
+from minfer.router import evaluate_routing, greedy_answer, routing_prompts
+
+DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"  # this checkout's docs page
 
 DOCS_START, DOCS_END = "<!-- bench_router:start -->", "<!-- bench_router:end -->"
 THRESHOLDS = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8]
@@ -71,7 +75,7 @@ def main() -> None:
     parser.add_argument("--cheap", default="awq", choices=["awq", "int4", "int8"], help="the cheap model's quantization")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", dest="json_path")
-    parser.add_argument("--update-docs", nargs="?", const="docs/benchmarks.md")
+    parser.add_argument("--update-docs", nargs="?", const=str(DOCS_PAGE), default=None, metavar="PATH")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     result = run(args.per_kind, args.max_tokens, args.cheap)

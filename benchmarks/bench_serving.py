@@ -5,7 +5,7 @@
 
 Also measures KV memory waste (contiguous vs paged) and prefix caching (shared system prompt with
 and without the cache, the shared part placed last, passages in a stable vs shuffled order).
-The logic lives in `minfer/serving_bench.py` (the course notebooks call it too). `benchmarks/serving_notes.md`
+The logic lives in `minfer/bench/serving.py` (the course notebooks call it too). `benchmarks/serving_notes.md`
 holds the written analysis (what falls short and why); to rebuild the docs from a saved run without rerunning:
 
     python benchmarks/bench_serving.py --render serving.json --notes benchmarks/serving_notes.md --update-docs --plot docs/serving.png
@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-from minfer import serving_bench as sb
+from minfer.bench import serving as sb
+
+DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"  # this checkout's docs page
 
 
 def main(argv=None) -> int:
@@ -38,7 +40,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-prefix", action="store_true", help="skip the prefix-caching experiment")
     parser.add_argument("--json", dest="json_path", help="write the results here as JSON")
     parser.add_argument("--plot", help="write a PNG plot here (e.g. docs/serving.png)")
-    parser.add_argument("--update-docs", nargs="?", const=str(sb.DOCS_PAGE), default=None, metavar="PATH",
+    parser.add_argument("--update-docs", nargs="?", const=str(DOCS_PAGE), default=None, metavar="PATH",
                         help="replace the bench_serving section of docs/benchmarks.md (or PATH)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--render", metavar="JSON", help="no run: rebuild the tables, plot and docs from a saved --json")
@@ -78,7 +80,7 @@ def report(result: dict, command: str, args: argparse.Namespace) -> int:
 INTRO = ("Many requests at once, as a server sees them: minfer's continuous batching against its static batches, "
          "one request at a time, and transformers' `generate` on padded batches; the KV memory a contiguous cache "
          "reserves against paged blocks; and prefix caching. Everything in one process, side by side. How it is "
-         "measured: `minfer/serving_bench.py`. Regenerate with `python benchmarks/bench_serving.py --update-docs "
+         "measured: `minfer/bench/serving.py`. Regenerate with `python benchmarks/bench_serving.py --update-docs "
          "--plot docs/serving.png`.")
 
 if __name__ == "__main__":

@@ -22,10 +22,11 @@ from pathlib import Path
 import torch
 
 from minfer import LLM
-from minfer.benchmark import machine_info, quiet
-from minfer.benchmark import write_docs_section
+from minfer.bench.common import machine_info, quiet, write_docs_section
+from minfer.bench.spec import chat_prompts, cost_ratio, decode_rate, expected_speedup, forward_cost, grounded_prompts
 from minfer.spec import make_proposer
-from minfer.spec.bench import chat_prompts, cost_ratio, decode_rate, expected_speedup, forward_cost, grounded_prompts
+
+DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"  # this checkout's docs page
 
 DOCS_START, DOCS_END = "<!-- bench_speculative:start -->", "<!-- bench_speculative:end -->"
 PROPOSERS = ("[ngram]", "smollm2-135m-draft", "smollm2-135m-draft-undistilled")
@@ -140,7 +141,7 @@ def plot(result: dict, path: str) -> None:
 
 INTRO = ("Batch-1 decoding with speculation: n-gram prompt lookup and draft models, measured speedup beside the "
          "formula (1 - alpha^(k+1)) / ((1 - alpha)(1 + k c)) with the measured acceptance alpha and cost ratio c. "
-         "The helpers are in `minfer/spec/bench.py` (notebook 07 uses them too).")
+         "The helpers are in `minfer/bench/spec.py` (notebook 07 uses them too).")
 
 
 def main(argv=None) -> int:
@@ -155,7 +156,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ks", type=int, nargs="+", help="draft lengths (default 1 2 4 6)")
     parser.add_argument("--json", dest="json_path")
     parser.add_argument("--plot")
-    parser.add_argument("--update-docs", nargs="?", const="docs/benchmarks.md", default=None, metavar="PATH")
+    parser.add_argument("--update-docs", nargs="?", const=str(DOCS_PAGE), default=None, metavar="PATH")
     args = parser.parse_args(argv)
     command = "OMP_NUM_THREADS=1 python benchmarks/bench_speculative.py " + " ".join(sys.argv[1:] if argv is None else argv)
     started = time.time()

@@ -1,7 +1,7 @@
 """The `minfer` command line: `python -m minfer demo` and `python -m minfer bench`.
 
     python -m minfer demo [--prompt TEXT] [--max-tokens N]   chat one prompt, stream the answer, print TTFT/TPOT
-    python -m minfer bench [--quick] [--json PATH] ...       minfer vs transformers vs the matmul floor
+    python -m minfer bench [--quick] [--json PATH] [--update-docs PATH] ...   minfer vs transformers vs the matmul floor
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
 
 def demo(args: argparse.Namespace) -> int:
-    from minfer.benchmark import quiet
+    from minfer.bench.common import quiet
     from minfer.llm import LLM
     from minfer.sampling_params import SamplingParams
 
@@ -43,14 +43,14 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
-    from minfer.benchmark import bench_from_args
+    from minfer.bench.generate import bench_from_args
 
     bench_from_args(args)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from minfer.benchmark import add_bench_arguments
+    from minfer.bench.generate import add_bench_arguments
 
     parser = argparse.ArgumentParser(prog="minfer", description="minfer: a compact LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)

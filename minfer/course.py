@@ -17,7 +17,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,13 +98,3 @@ def check(chapter: str, impl: Optional[str] = None) -> bool:
         first_line = r.message.splitlines()[0][:100] if r.message else ""
         print(f"  {mark:<7} {r.name}" + (f"  ({first_line})" if first_line else ""))
     return bool(results) and passed == len(results)
-
-
-def best_time(fn, repeats: int = 3) -> float:
-    """Fastest of `repeats` wall-clock runs of fn(), in seconds: the least disturbed by other work."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)

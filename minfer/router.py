@@ -5,12 +5,13 @@ without losing quality, serving costs
 
     cost = s * c + (1 - s) * 1          (the seeds' formula)
 
-per request instead of 1. Everything rests on the classifier that decides "easy": it must be
-cheap, and a hard request sent to the cheap model costs quality, silently. Here the classifier
-is the cheap model's own confidence: it answers greedily, and the lowest top-token probability
-over the first tokens of its answer is the signal. Below a threshold, or when anything is
-unclear (no answer, NaN), the request escalates to the full model. A higher threshold is more
-conservative: fewer requests stay cheap, fewer hard ones slip through.
+per request instead of 1 (`benchmarks/bench_router.py` measures c as one decode step of each
+model at batch 1). Everything rests on the classifier that decides "easy": it must be cheap, and
+a hard request sent to the cheap model costs quality, silently. Here the classifier is the cheap
+model's own confidence: it answers greedily, and the lowest top-token probability over the first
+tokens of its answer is the signal. Below a threshold, or when anything is unclear (no answer,
+NaN), the request escalates to the full model. A higher threshold is more conservative: fewer
+requests stay cheap, fewer hard ones slip through.
 
 The classifier is not free: every request runs the cheap model first, so an escalated one costs
 c + 1. `routing_cost(..., include_classifier=True)` counts that: c + (1 - s).
@@ -33,7 +34,6 @@ import torch
 
 from minfer.kv_cache import KVCache
 from minfer.models.llama import LlamaModel
-from minfer.spec.bench import cost_ratio  # noqa: F401  (c = cheap step time / full step time, at batch 1)
 
 
 @dataclass

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from minfer import LLM
-from minfer import benchmark as bm
+from minfer.bench import generate as bm
 from minfer.__main__ import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -96,7 +96,7 @@ def test_time_minfer_counts_the_tokens_it_generated(tiny_llm):
     ids = t.extra["token_ids"]
     assert len(ids) == 4 and all(len(row) == 5 for row in ids)
     assert ids[3] == ids[0]  # row 3 is prompt 0 again, greedy: same tokens
-    assert tiny_llm.max_num_seqs == 32  # the temporary batch limit was put back
+    assert tiny_llm.engine.scheduler.max_num_seqs == 32  # the temporary batch limit was put back
 
 
 def test_time_minfer_rejects_a_single_token():

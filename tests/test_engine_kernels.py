@@ -14,7 +14,7 @@ import pytest
 SCRIPT = textwrap.dedent("""
     import random, sys, tempfile
     from minfer import LLM, SamplingParams
-    from minfer.benchmark import random_checkpoint
+    from minfer.testing import random_checkpoint
 
     folder = random_checkpoint(tempfile.mkdtemp(), "tiny")
     rng = random.Random(0)

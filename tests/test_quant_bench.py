@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from minfer import LLM
-from minfer import quant_bench as qb
+from minfer.bench import quant as qb
 from minfer.models.loader import load_model
 from test_loader import make_tiny_checkpoint
 

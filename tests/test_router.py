@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-from minfer.distill import init_draft_from_target
-from minfer.router import (Answer, Router, cost_ratio, evaluate_routing, greedy_answer, route, routing_cost,
-                           routing_prompts)
+from minfer.bench.spec import cost_ratio
+from minfer.router import Answer, Router, evaluate_routing, greedy_answer, route, routing_cost, routing_prompts
+from minfer.spec.distill import init_draft_from_target
 from test_distill import tiny_target
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minfer import LLM
-from minfer import serving_bench as sb
+from minfer.bench import serving as sb
 from test_loader import make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent

@@ -296,7 +296,7 @@ def test_bad_speculative_arguments(tiny_dir, tmp_path, llm):
 
 
 def test_expected_speedup_formula():
-    from minfer.spec.bench import expected_speedup, expected_tokens_per_pass
+    from minfer.bench.spec import expected_speedup, expected_tokens_per_pass
 
     assert expected_tokens_per_pass(0.8, 4) == pytest.approx(3.36, abs=0.005)  # the worked example of the notes
     assert expected_speedup(0.8, 4, 0.05) == pytest.approx(2.8, abs=0.01)

@@ -35,7 +35,7 @@ __all__ = ["Proposer", "Proposal", "NgramProposer", "DraftModelProposer", "SpecD
 def make_proposer(speculative_model, target: LlamaModel, tokenizer, max_model_len: int, dtype: torch.dtype,
                   device: torch.device) -> Optional[Proposer]:
     """'[ngram]' -> NgramProposer; a LlamaModel, a model name/path, or a shipped draft name
-    (minfer.distill, e.g. 'smollm2-135m-draft') -> DraftModelProposer; None -> None."""
+    (minfer.spec.distill, e.g. 'smollm2-135m-draft') -> DraftModelProposer; None -> None."""
     if speculative_model is None:
         return None
     if speculative_model == "[ngram]":
@@ -58,15 +58,15 @@ def _load_draft(name: str, target: LlamaModel, tokenizer, dtype: torch.dtype, de
                              "the draft must share the target's vocabulary")
         return LlamaModel.from_weights(loaded.config, loaded.weights, dtype, device)
     try:
-        from minfer.distill import load_draft  # the shipped distilled drafts (chapter 08)
+        from minfer.spec.distill import load_draft  # the shipped distilled drafts (chapter 08)
     except ImportError as exc:
         raise ValueError(f"speculative_model {name!r} is not '[ngram]', a known model, a path, or a shipped draft "
-                         "(minfer.distill is not available)") from exc
+                         "(minfer.spec.distill is not available)") from exc
     return load_draft(name, target, dtype, device)
 
 
 def _is_draft_folder(path: str) -> bool:
-    """A folder written by minfer.distill.save_draft (its config.json lists the head's token ids)."""
+    """A folder written by minfer.spec.distill.save_draft (its config.json lists the head's token ids)."""
     config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
         return False

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from minfer import benchmark
+from minfer.bench import generate as benchmark
 from minfer.outputs import RequestMetrics
 
 

@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from minfer import distill, router
+from minfer import router
+from minfer.spec import distill
 
 
 def test_distillation_loss_matches_minfer_and_a_hand_computed_kl(impl):

@@ -15,7 +15,7 @@ Three questions, each measured side by side in one process on the same model:
    the shared part placed after the per-request part, retrieved passages in a stable vs a
    shuffled order: prefill tokens computed, hit rate, median TTFT.
 
-Timing conventions (the same as `minfer.benchmark`): TTFT counts from the moment a request is
+Timing conventions (the same as `minfer.bench.generate`): TTFT counts from the moment a request is
 handed to the engine (for a batch run, all requests are handed over at once, so TTFT includes
 queueing); TPOT is (last token time - first token time) / (tokens - 1) of each request.
 """
@@ -34,7 +34,9 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+from minfer.bench.common import (StepClock, hf_checkpoint_for, load_transformers, machine_info, synchronize,
+                                 write_docs_section)
+
 DOCS_START = "<!-- bench_serving:start -->"
 DOCS_END = "<!-- bench_serving:end -->"
 # Targets on CPU from the serving issue.
@@ -257,11 +259,9 @@ def run_transformers(hf_model, tokenizer, workload: Sequence[Request], batch_siz
     """transformers' `generate` on static batches: left-padded prompts, each batch runs as long as its longest output.
 
     Only the tokens each request asked for count as output (the rest of a short request's row is waste).
-    TTFT and TPOT come from the time each generate step's logits were ready (`minfer.benchmark._StepClock`),
+    TTFT and TPOT come from the time each generate step's logits were ready (`minfer.bench.common.StepClock`),
     TTFT counted from the start of the run, as for minfer's batch runs."""
     from transformers import LogitsProcessorList
-
-    from minfer.benchmark import _StepClock, synchronize
 
     device = next(hf_model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -283,7 +283,7 @@ def run_transformers(hf_model, tokenizer, workload: Sequence[Request], batch_siz
                                    device=device)
                 mask = (torch.arange(longest, device=device)[None] >= (longest - torch.tensor(
                     [len(r.prompt_token_ids) for r in batch], device=device))[:, None]).long()
-                clock = _StepClock()
+                clock = StepClock()
                 hf_model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
                                   logits_processor=LogitsProcessorList([clock]), **kwargs)
                 if len(clock.times) != steps:
@@ -369,7 +369,6 @@ def run_serving_benchmark(model: str = "smollm2-135m", dtype: str = "bfloat16", 
                           transformers: bool = True, prefix: bool = True, progress: bool = True,
                           seed: int = 0, kv_cache_memory_bytes: Optional[int] = None, **overrides) -> dict:
     """The serving benchmark in one process: see the module docstring. Returns a JSON-able dict."""
-    from minfer.benchmark import hf_checkpoint_for, load_transformers, machine_info
     from minfer.llm import LLM
 
     settings = {**PRESETS["quick" if quick else "full"], **{k: v for k, v in overrides.items() if v is not None}}
@@ -522,12 +521,10 @@ def format_markdown(result: dict, command: Optional[str] = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def update_docs_section(markdown: str, path: Union[str, Path] = DOCS_PAGE, start: str = DOCS_START,
+def update_docs_section(markdown: str, path: Union[str, Path], start: str = DOCS_START,
                         end: str = DOCS_END, heading: str = "## Serving: continuous batching, paged KV, prefix caching",
                         intro: str = "") -> None:
-    """Replace the serving section of the docs page (between its markers), or append it."""
-    from minfer.benchmark import write_docs_section
-
+    """Replace the serving section of the docs page at `path` (between its markers), or append it."""
     write_docs_section(markdown, path, start, end, heading, intro)
 
 

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from minfer.bench.common import synchronize
 from minfer.kv_cache import KVCache
 from minfer.models.llama import LlamaModel
 from minfer.sampling_params import SamplingParams
@@ -47,8 +48,7 @@ def forward_cost(model: LlamaModel, context_len: int, num_tokens: int = 1, repea
         cache.length = context_len
         start = time.perf_counter()
         model(ids[:, context_len:], positions, cache)
-        if weight.device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(weight.device)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 

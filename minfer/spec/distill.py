@@ -44,7 +44,7 @@ from torch import nn
 from minfer.config import ModelConfig
 from minfer.models.llama import LlamaModel, RotaryEmbedding
 
-DRAFTS_DIR = Path(__file__).parent / "drafts"
+DRAFTS_DIR = Path(__file__).resolve().parent.parent / "drafts"  # minfer/drafts (package data)
 DISTILLED = "smollm2-135m-draft"
 KNOWN_DRAFTS = (DISTILLED, "smollm2-135m-draft-undistilled")
 
@@ -227,7 +227,7 @@ def load_draft(name_or_path: str, target: LlamaModel, dtype: torch.dtype = torch
     folder = DRAFTS_DIR / DISTILLED if name_or_path in KNOWN_DRAFTS else Path(str(name_or_path))
     if not (folder / "config.json").is_file():
         raise ValueError(f"unknown draft model {name_or_path!r}: use one of {list(KNOWN_DRAFTS)} "
-                         "or a folder with config.json and model.safetensors from minfer.distill.save_draft")
+                         "or a folder with config.json and model.safetensors from minfer.spec.distill.save_draft")
     meta = json.loads((folder / "config.json").read_text())
     if (meta["hidden_size"], meta["vocab_size"]) != (target.config.hidden_size, target.config.vocab_size):
         raise ValueError(f"draft {name_or_path!r} fits a target with hidden size {meta['hidden_size']} and "

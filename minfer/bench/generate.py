@@ -1,4 +1,4 @@
-"""How minfer times things: one set of helpers for the benchmark scripts, the CLI and the notebooks.
+"""Decode speed, timed one way for `benchmarks/bench_generate.py`, `python -m minfer bench` and notebook 00.
 
 Generation has two phases, and they are timed apart:
 
@@ -27,10 +27,7 @@ ignored) on the same token ids, after a warm-up, and report TTFT, TPOT and decod
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -44,27 +41,17 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from minfer.config import ModelConfig
+from minfer.bench.common import (StepClock, best_time, dtype_name, hf_checkpoint_for, load_transformers,
+                                 machine_info, synchronize, write_docs_section)
+from minfer.testing import MODEL_SHAPES, random_checkpoint
 
 TokenIds = list[int]
-DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 DOCS_START = "<!-- bench_generate:start -->"
 DOCS_END = "<!-- bench_generate:end -->"
 # Targets from the engine's performance issue: batch-1 decode within 1.25x of the matmul floor,
 # and at least 1.3x the decode speed of transformers' generate in the same dtype.
 TARGET_FLOOR_FRACTION = 1 / 1.25
 TARGET_VS_TRANSFORMERS = 1.3
-
-# The shapes of SmolLM2-135M (and a toy model of the same family, for fast tests).
-MODEL_SHAPES = {
-    "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                                num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
-                                max_position_embeddings=8192, tie_word_embeddings=True),
-    "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                        num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
-                        max_position_embeddings=512, tie_word_embeddings=True),
-}
-
 
 # --------------------------------------------------------------------------- results
 
@@ -104,12 +91,6 @@ def model_bandwidth_utilisation(weight_bytes_per_step: int, tpot_s: float, bandw
 
 # --------------------------------------------------------------------------- the hardware side
 
-def synchronize(device: Union[str, torch.device]) -> None:
-    """Wait for queued GPU work, so a clock read after it means something (no-op on CPU)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def measure_memory_bandwidth(size_mb: int = 256, repeats: int = 5, device: Union[str, torch.device] = "cpu") -> float:
     """Bytes per second a large tensor copy achieves (read + write), best of `repeats`.
 
@@ -119,14 +100,7 @@ def measure_memory_bandwidth(size_mb: int = 256, repeats: int = 5, device: Union
     src = torch.ones(n, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # touch the pages once: the first write to fresh memory is slow
-    best = float("inf")
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * src.nbytes / best
+    return 2 * src.nbytes / best_time(lambda: dst.copy_(src), repeats, device)
 
 
 def decode_weights(model) -> list[torch.Tensor]:
@@ -171,17 +145,14 @@ def matmul_floor(model, batch_size: int = 1, steps: int = 32, warmup: int = 3, r
         for w in weights:
             F.linear(inputs[w.shape[1]], w)
 
-    for _ in range(warmup):
-        step()
-    best = float("inf")
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
+    def run() -> None:
         for _ in range(steps):
             step()
-        synchronize(device)
-        best = min(best, (time.perf_counter() - start) / steps)
-    return Timing("matmul floor", _dtype_name(dtype), batch_size, None, best, steps)
+
+    for _ in range(warmup):
+        step()
+    best = best_time(run, repeats, device) / steps
+    return Timing("matmul floor", dtype_name(dtype), batch_size, None, best, steps)
 
 
 # --------------------------------------------------------------------------- prompts
@@ -243,21 +214,8 @@ def time_minfer(llm, prompts: Sequence[Union[str, TokenIds]], max_tokens: int = 
         raise RuntimeError(f"minfer generated {sorted(counts)} tokens per sequence, expected {max_tokens}")
     ttft = statistics.mean(o.metrics.ttft for o in outputs)
     tpot = statistics.mean(o.metrics.tpot for o in outputs)
-    return Timing("minfer", _dtype_name(llm.dtype), len(batch), ttft, tpot, max_tokens, len(batch[0]),
+    return Timing("minfer", dtype_name(llm.dtype), len(batch), ttft, tpot, max_tokens, len(batch[0]),
                   extra={"token_ids": [o.outputs[0].token_ids for o in outputs]})
-
-
-class _StepClock:
-    """A transformers logits processor that only notes when each decode step produced its logits."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def __call__(self, input_ids, scores):
-        if scores.is_cuda:
-            torch.cuda.synchronize()
-        self.times.append(time.perf_counter())
-        return scores
 
 
 def time_transformers(hf_model, tokenizer, prompts: Sequence[Union[str, TokenIds]], max_tokens: int = 32,
@@ -287,7 +245,7 @@ def time_transformers(hf_model, tokenizer, prompts: Sequence[Union[str, TokenIds
             warnings.simplefilter("ignore")
             if warmup:
                 hf_model.generate(input_ids, max_new_tokens=2, min_new_tokens=2, **kwargs)
-            clock = _StepClock()
+            clock = StepClock()
             synchronize(device)
             start = time.perf_counter()
             out = hf_model.generate(input_ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
@@ -299,81 +257,8 @@ def time_transformers(hf_model, tokenizer, prompts: Sequence[Union[str, TokenIds
         raise RuntimeError(f"transformers generated {generated} tokens ({len(clock.times)} steps), expected {max_tokens}")
     ttft = clock.times[0] - start
     tpot = (clock.times[-1] - clock.times[0]) / (max_tokens - 1)
-    return Timing("transformers", _dtype_name(hf_model.dtype), len(batch), ttft, tpot, max_tokens, longest,
+    return Timing("transformers", dtype_name(hf_model.dtype), len(batch), ttft, tpot, max_tokens, longest,
                   extra={"token_ids": out[:, longest:].tolist()})
-
-
-# --------------------------------------------------------------------------- checkpoints
-
-def random_checkpoint(folder: str, shape: Union[str, ModelConfig] = "smollm2-135m", seed: int = 0) -> str:
-    """Write a model of the given shape with random weights as a Hugging Face checkpoint.
-
-    For machines that have no model file (a GPU box without network): speed depends on shapes,
-    not on what the weights say. A word-level tokenizer with one token per id comes with it,
-    so both minfer and transformers load the folder as they would a real model.
-    """
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import PreTrainedTokenizerFast
-
-    from minfer.models.loader import LoadedModel, save_hf_checkpoint
-
-    config = MODEL_SHAPES[shape] if isinstance(shape, str) else shape
-    gen = torch.Generator().manual_seed(seed)
-    h, kv, inter = config.hidden_size, config.num_kv_heads * config.head_dim, config.intermediate_size
-    q = config.num_heads * config.head_dim
-
-    def normal(*size: int) -> torch.Tensor:
-        return torch.randn(*size, generator=gen) * 0.02
-
-    weights = {"model.embed_tokens.weight": normal(config.vocab_size, h), "model.norm.weight": torch.ones(h)}
-    if not config.tie_word_embeddings:
-        weights["lm_head.weight"] = normal(config.vocab_size, h)
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        weights.update({
-            p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
-            p + "self_attn.q_proj.weight": normal(q, h), p + "self_attn.k_proj.weight": normal(kv, h),
-            p + "self_attn.v_proj.weight": normal(kv, h), p + "self_attn.o_proj.weight": normal(h, q),
-            p + "mlp.gate_proj.weight": normal(inter, h), p + "mlp.up_proj.weight": normal(inter, h),
-            p + "mlp.down_proj.weight": normal(h, inter),
-        })
-        if config.attention_bias:
-            weights.update({p + "self_attn.q_proj.bias": torch.zeros(q), p + "self_attn.k_proj.bias": torch.zeros(kv),
-                            p + "self_attn.v_proj.bias": torch.zeros(kv)})
-    specials = ["<pad>", "<s>", "</s>"]
-    vocab = {tok: i for i, tok in enumerate(specials)}
-    vocab.update({f"t{i}": i for i in range(len(specials), config.vocab_size)})
-    tok = Tokenizer(WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-    save_hf_checkpoint(LoadedModel(config, weights, tokenizer, folder), folder)
-    return folder
-
-
-def hf_checkpoint_for(model: str, folder: str) -> str:
-    """A Hugging Face directory holding `model`'s weights: the model itself if it is one, else a copy in `folder`.
-
-    A GGUF model is dequantized once and saved, so minfer and transformers load the very same weights.
-    """
-    from minfer.models.loader import load_model, resolve_model_path, save_hf_checkpoint
-
-    path = resolve_model_path(model)
-    if os.path.isdir(path):
-        return path
-    save_hf_checkpoint(load_model(model, torch.float32), folder)
-    return folder
-
-
-def load_transformers(folder: str, dtype: str, device: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=_torch_dtype(dtype)).to(device).eval()
-    return model, AutoTokenizer.from_pretrained(folder)
 
 
 # --------------------------------------------------------------------------- the benchmark
@@ -383,29 +268,6 @@ PRESETS = {
     "quick": dict(max_tokens=16, repeats=1, prompt_len=32, floor_steps=8),
     "full": dict(max_tokens=48, repeats=3, prompt_len=64, floor_steps=24),
 }
-
-
-def machine_info(device: str = "cpu") -> dict:
-    import transformers
-
-    info = {"cpu": _cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "device": device}
-    if hasattr(os, "getloadavg"):  # other work on the machine: with too few free cores, threads wait on each other
-        info["load_average_1min"] = round(os.getloadavg()[0], 2)
-    if torch.device(device).type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def run_generate_benchmark(model: str = "smollm2-135m", dtypes: Sequence[str] = ("float32", "bfloat16"),
@@ -562,35 +424,21 @@ def format_markdown(result: dict, command: Optional[str] = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_docs_section(markdown: str, path: Union[str, Path], start: str, end: str, heading: str,
-                       intro: str = "") -> None:
-    """Replace the text between a benchmark's markers in the docs page, or append it as a new section.
-
-    Every benchmark script owns one marked section, so reruns replace their own table and nothing else."""
-    path = Path(path)
-    section = f"{start}\n{markdown.rstrip()}\n{end}"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if start in text and end in text:
-        head, rest = text.split(start, 1)
-        text = head + section + rest.split(end, 1)[1]
-    else:
-        text = text.rstrip() + f"\n\n{heading}\n\n" + (intro + "\n\n" if intro else "") + section + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
-def update_docs(markdown: str, path: Union[str, Path] = DOCS_PAGE) -> None:
-    """Replace the generate-benchmark section of the docs page (between its markers), or add it."""
+def update_docs(markdown: str, path: Union[str, Path]) -> None:
+    """Replace the generate-benchmark section of the docs page at `path` (between its markers), or add it."""
     intro = ("Decode speed of minfer against transformers' `generate` and against the bare matrix multiplications "
              "of a decode step (the matmul floor), same weights, same prompts, one process. How each number is "
-             "timed: `minfer/benchmark.py` (the course notebooks use the same helpers). Regenerate with "
+             "timed: `minfer/bench/generate.py` (the course notebooks use the same helpers). Regenerate with "
              "`python benchmarks/bench_generate.py --update-docs` on a quiet machine.")
     write_docs_section(markdown, path, DOCS_START, DOCS_END, "## minfer vs transformers `generate`", intro)
 
 
 # --------------------------------------------------------------------------- command line
 
-def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+def add_bench_arguments(parser: argparse.ArgumentParser, docs_page: Union[str, Path, None] = None) -> None:
+    """The benchmark's options. `--update-docs PATH` writes the table into the docs page at PATH; a
+    script that knows where its docs page is passes it as `docs_page`, and `--update-docs` alone then
+    means that page."""
     parser.add_argument("--quick", action="store_true", help="a short run (fewer tokens, one repeat) to check that it works")
     parser.add_argument("--model", default="smollm2-135m", help="model name, .gguf file or HF directory")
     parser.add_argument("--random-weights", choices=sorted(MODEL_SHAPES), default=None,
@@ -606,8 +454,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", dest="json_path", help="write the results here as JSON")
     parser.add_argument("--markdown", dest="markdown_path", help="write the markdown table here")
-    parser.add_argument("--update-docs", nargs="?", const=str(DOCS_PAGE), default=None, metavar="PATH",
-                        help="replace the marked section of docs/benchmarks.md (or PATH) with the table")
+    if docs_page is None:
+        parser.add_argument("--update-docs", default=None, metavar="PATH",
+                            help="replace the benchmark's marked section of the docs page at PATH with the table")
+    else:
+        parser.add_argument("--update-docs", nargs="?", const=str(docs_page), default=None, metavar="PATH",
+                            help=f"replace the benchmark's marked section of {docs_page} (or PATH) with the table")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -634,23 +486,3 @@ def bench_from_args(args: argparse.Namespace, command: Optional[str] = None) -> 
     if args.update_docs:
         update_docs(markdown, args.update_docs)
     return result
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    from minfer.llm import DTYPES
-
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}: use one of {sorted(DTYPES)}")
-    return DTYPES[name]
-
-
-@contextlib.contextmanager
-def quiet():
-    """Silence the warnings libraries print while loading and generating (for notebooks and the CLI)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield

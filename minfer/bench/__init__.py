@@ -1,0 +1,20 @@
+"""Benchmark harnesses: how minfer is measured, for the scripts in `benchmarks/`, `python -m minfer bench`
+and the notebooks (a notebook's measurement and the published one share the same function).
+
+    common.py    what every harness shares: synchronize and best_time (the one "fastest of a few
+                 runs"), the transformers step clock, machine info, loading transformers on the
+                 same weights, quiet(), and writing a benchmark's section of a docs page
+    generate.py  decode speed: minfer vs transformers `generate` vs the bare-matmul floor, memory
+                 bandwidth, weight bytes per step, MBU (chapter 00, bench_generate.py, `python -m minfer bench`)
+    serving.py   many requests at once: continuous vs static batching vs one by one vs transformers,
+                 KV memory waste, prefix caching (chapters 03-05, bench_serving.py)
+    quant.py     each quantization format's perplexity, greedy agreement, bytes and decode speed, the
+                 channel-scrambled model, llama.cpp beside (chapter 06, bench_quant.py)
+    spec.py      speculative decoding: the expected-speedup formula, a forward pass's cost, the draft
+                 cost ratio c, batch-1 decode rate, the prompt sets (chapters 07-08, bench_speculative.py,
+                 bench_router.py)
+
+The rule: the library never imports minfer.bench. Harnesses use the library, never the reverse;
+only the command line (`minfer/__main__.py`) reaches in, for `python -m minfer bench`. No harness
+derives a path from its own location: the docs page to update is passed in.
+"""

@@ -1,0 +1,118 @@
+"""Small models with random weights, for tests and for benchmarks on machines without the model file.
+
+Three builders, one per kind of model a test needs:
+
+* `random_checkpoint(folder, shape)`: a Hugging Face folder of the given shape (`MODEL_SHAPES`:
+  SmolLM2-135M's, or a tiny one) with a word-level tokenizer of one token per id. Needs nothing
+  but the shapes, so a GPU machine without the model file can benchmark it (`python -m minfer
+  bench --random-weights`), and a test subprocess can build one in a line.
+* `tiny_hf_checkpoint(folder, tokenizer, "llama" | "qwen2", tie)`: a tiny transformers model
+  (Llama or Qwen2, biases made to matter) saved beside a real tokenizer, usually SmolLM2's: for
+  tests that compare against transformers or feed real text.
+* `tiny_llama(seed)`: a tiny `LlamaModel` built in memory, no folder, no tokenizer.
+
+The tests' shared fixtures around them live in `tests/conftest.py`.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+from minfer.config import ModelConfig
+
+# The shapes of SmolLM2-135M (and a toy model of the same family, for fast tests).
+MODEL_SHAPES = {
+    "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                                num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
+                                max_position_embeddings=8192, tie_word_embeddings=True),
+    "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
+                        max_position_embeddings=512, tie_word_embeddings=True),
+}
+
+# tiny_hf_checkpoint's shape, in transformers' names: SmolLM2's vocabulary, so its tokenizer fits.
+TINY_HF = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def random_checkpoint(folder: str, shape: Union[str, ModelConfig] = "smollm2-135m", seed: int = 0) -> str:
+    """Write a model of the given shape with random weights as a Hugging Face checkpoint; returns `folder`.
+
+    For machines that have no model file (a GPU box without network): speed depends on shapes,
+    not on what the weights say. A word-level tokenizer with one token per id comes with it,
+    so both minfer and transformers load the folder as they would a real model.
+    """
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    from minfer.models.loader import LoadedModel, save_hf_checkpoint
+
+    config = MODEL_SHAPES[shape] if isinstance(shape, str) else shape
+    gen = torch.Generator().manual_seed(seed)
+    h, kv, inter = config.hidden_size, config.num_kv_heads * config.head_dim, config.intermediate_size
+    q = config.num_heads * config.head_dim
+
+    def normal(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=gen) * 0.02
+
+    weights = {"model.embed_tokens.weight": normal(config.vocab_size, h), "model.norm.weight": torch.ones(h)}
+    if not config.tie_word_embeddings:
+        weights["lm_head.weight"] = normal(config.vocab_size, h)
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        weights.update({
+            p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
+            p + "self_attn.q_proj.weight": normal(q, h), p + "self_attn.k_proj.weight": normal(kv, h),
+            p + "self_attn.v_proj.weight": normal(kv, h), p + "self_attn.o_proj.weight": normal(h, q),
+            p + "mlp.gate_proj.weight": normal(inter, h), p + "mlp.up_proj.weight": normal(inter, h),
+            p + "mlp.down_proj.weight": normal(h, inter),
+        })
+        if config.attention_bias:
+            weights.update({p + "self_attn.q_proj.bias": torch.zeros(q), p + "self_attn.k_proj.bias": torch.zeros(kv),
+                            p + "self_attn.v_proj.bias": torch.zeros(kv)})
+    specials = ["<pad>", "<s>", "</s>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    vocab.update({f"t{i}": i for i in range(len(specials), config.vocab_size)})
+    tok = Tokenizer(WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    save_hf_checkpoint(LoadedModel(config, weights, tokenizer, folder), folder)
+    return folder
+
+
+def tiny_hf_checkpoint(folder, tokenizer, model_type: str = "llama", tie: bool = True, **overrides):
+    """Save a tiny transformers model (`TINY_HF`, changed by `overrides`) and `tokenizer` in `folder`.
+
+    Weights from transformers' own initialisation under seed 0 (the global generator is left as
+    it was). For Qwen2 the q/k/v biases are drawn too, so that they matter. Returns the
+    transformers model, for comparisons."""
+    import transformers
+
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[model_type]
+    config = config_class(**{**TINY_HF, **overrides}, tie_word_embeddings=tie, rope_theta=10000.0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        if model_type == "qwen2":  # make the q/k/v biases matter
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                        proj.bias.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model
+
+
+def tiny_llama(seed: int = 0):
+    """A tiny `LlamaModel` (vocabulary 64, 3 layers, tied head) with PyTorch's default random init under `seed`."""
+    from minfer.models.llama import LlamaModel
+
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
+                         num_kv_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-5,
+                         max_position_embeddings=64, tie_word_embeddings=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaModel(config).eval()
