@@ -3,8 +3,8 @@
     python benchmarks/bench_quant.py --quick                    # a smoke test (a few minutes)
     python benchmarks/bench_quant.py --json docs/bench_quant.json --update-docs   # the full run
 
-Configurations whose LLM arguments do not exist yet, or that do not fit the model (int4 g128 on
-SmolLM2-135M, whose hidden size 576 is not a multiple of 128), are skipped with the reason.
+Configurations that do not fit the model (int4 g128 on SmolLM2-135M, whose hidden size 576 is
+not a multiple of 128) are skipped with the reason.
 llama.cpp is measured beside minfer when llama-cpp-python is installed (optional). The
 measurements and the scrambled-model rows are explained in `minfer/bench/quant.py`.
 """

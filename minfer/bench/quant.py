@@ -22,7 +22,6 @@ llama.cpp, the CPU peer, is measured on the same GGUF file at batch 1 when `llam
 from __future__ import annotations
 
 import gc
-import inspect
 import tempfile
 import time
 from typing import Optional, Sequence
@@ -33,6 +32,7 @@ from minfer.bench.common import machine_info
 from minfer.bench.generate import best_of, make_prompts, time_minfer
 from minfer.evaluate import EVAL_PROMPTS, eval_set_info, greedy_agreement, greedy_reference, perplexity
 from minfer.llm import LLM
+from minfer.quant import linear_weight_bytes
 
 DOCS_START = "<!-- bench_quant:start -->"
 DOCS_END = "<!-- bench_quant:end -->"
@@ -62,41 +62,6 @@ PRESETS = {
     "full": dict(num_tokens=4096, window=512, stride=256, prompts=len(EVAL_PROMPTS), agreement_tokens=32,
                  max_tokens=48, prompt_len=64, batch_size=16, repeats=3),
 }
-
-
-def supported(arguments: dict) -> Optional[str]:
-    """None if this LLM accepts the arguments, else why not (another part may not have landed yet)."""
-    accepted = inspect.signature(LLM.__init__).parameters
-    missing = [name for name in arguments if name not in accepted]
-    return f"LLM has no argument {', '.join(missing)} yet" if missing else None
-
-
-# --------------------------------------------------------------------------- bytes
-
-def linear_bytes(model, as_dtype: Optional[torch.dtype] = None) -> int:
-    """Bytes of the decoder layers' linear weights, scales included (minfer.quant's count when it exists)."""
-    try:
-        from minfer.quant import linear_weight_bytes
-    except ImportError:
-        linear_weight_bytes = None
-    if linear_weight_bytes is not None:
-        return linear_weight_bytes(model, as_dtype)
-    total = 0
-    for layer in model.layers:
-        for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            if isinstance(module, torch.nn.Linear):
-                total += module.weight.numel() * (as_dtype or module.weight.dtype).itemsize
-            else:  # a quantized layer: its codes, scales and zero points
-                total += sum(b.numel() * b.element_size() for b in module.buffers())
-    return total
-
-
-def kv_bytes_per_token(llm) -> float:
-    pool, blocks = llm.engine.pool, llm.engine.blocks
-    nbytes = getattr(pool, "nbytes", None)
-    if nbytes is None:
-        nbytes = pool.k.nbytes + pool.v.nbytes
-    return nbytes / (blocks.num_blocks * blocks.block_size)
 
 
 # --------------------------------------------------------------------------- the scrambled model
@@ -210,7 +175,7 @@ def run_quant_benchmark(model: str = "smollm2-135m", dtype: str = "bfloat16", de
     baseline = _make_llm(model, dtype, device, {})
     result["eval_set"] = eval_set_info(baseline.tokenizer, preset["num_tokens"], preset["window"], preset["stride"])
     reference = greedy_reference(baseline, prompts, preset["agreement_tokens"])
-    bf16_bytes, vocab_size = linear_bytes(baseline.model, torch.bfloat16), baseline.config.vocab_size
+    bf16_bytes, vocab_size = linear_weight_bytes(baseline.model, torch.bfloat16), baseline.config.vocab_size
     del baseline
     for name in configs:
         row = _measure(name, model, dtype, device, reference, preset, speed, result["skipped"], log)
@@ -241,19 +206,15 @@ def run_quant_benchmark(model: str = "smollm2-135m", dtype: str = "bfloat16", de
 def _measure(name: str, model: str, dtype: str, device: str, reference, preset: dict, speed: bool, skipped: dict,
              log, label: str = "") -> Optional[dict]:
     key = f"{name} ({label})" if label else name
-    reason = supported(CONFIGS[name])
-    if reason is None:
-        try:
-            llm = _make_llm(model, dtype, device, CONFIGS[name])
-        except ValueError as exc:  # e.g. a group size that does not divide this model's sizes
-            reason = str(exc)
-    if reason is not None:
-        skipped[key] = reason
-        log(f"skipped {key}: {reason}")
+    try:
+        llm = _make_llm(model, dtype, device, CONFIGS[name])
+    except ValueError as exc:  # e.g. a group size that does not divide this model's sizes
+        skipped[key] = str(exc)
+        log(f"skipped {key}: {exc}")
         return None
     start = time.perf_counter()
-    row = {"config": name, **measure_quality(llm, reference, preset), "linear_bytes": linear_bytes(llm.model),
-           "kv_bytes_per_token": kv_bytes_per_token(llm)}
+    row = {"config": name, **measure_quality(llm, reference, preset), "linear_bytes": linear_weight_bytes(llm.model),
+           "kv_bytes_per_token": llm.config.kv_bytes_per_token(llm.dtype, llm.engine.config.kv_cache_dtype)}
     if speed:
         row.update(measure_speed(llm, preset))
     log(f"{key}: perplexity {row['perplexity']:.3f}, agreement {row['greedy_agreement']:.3f} "

@@ -143,11 +143,6 @@ def _metrics_rows(outputs) -> list[dict]:
 
 # --------------------------------------------------------------------------- KV memory
 
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """K and V of one token in every layer."""
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
-
-
 def kv_waste(prompt_lens: Sequence[int], output_lens: Sequence[int], bytes_per_token: int, block_size: int = 16,
              batch_size: int = 32, max_model_len: Optional[int] = None) -> list[dict]:
     """Reserved vs used KV bytes of every request at its largest (the end of its generation), summed.
@@ -214,8 +209,6 @@ def warm_up(llm, workload: Sequence[Request]) -> None:
 def run_minfer(llm, workload: Sequence[Request], batching: str = "continuous", max_num_seqs: int = 32,
                enable_prefix_caching: bool = True, name: Optional[str] = None) -> dict:
     """Every request handed to `llm.generate` at once; continuous (the engine) or static batches."""
-    from minfer.engine.paged_kv import KVPool
-
     engine = fresh_engine(llm, max_num_seqs, enable_prefix_caching)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
     start = time.perf_counter()
@@ -223,11 +216,11 @@ def run_minfer(llm, workload: Sequence[Request], batching: str = "continuous", m
     wall = time.perf_counter() - start
     name = name or f"minfer {batching}"
     _check_lengths(outputs, workload, name)
-    bpt = kv_bytes_per_token(llm.config, llm.dtype)
+    bpt = llm.config.kv_bytes_per_token(llm.dtype, engine.config.kv_cache_dtype)
     extra: dict = {"max_num_seqs": max_num_seqs}
     if batching == "continuous":
-        per_block = KVPool.bytes_per_block(llm.config, engine.blocks.block_size, llm.dtype, llm.kv_cache_dtype)
-        extra.update(kv_used_bytes=engine.stats.peak_blocks_used * per_block, kv_reserved_bytes=engine.pool.nbytes,
+        per_block = engine.config.block_size * bpt
+        extra.update(kv_used_bytes=engine.stats.peak_blocks_used * per_block, kv_reserved_bytes=engine.runner.pool.nbytes,
                      kv_note="peak blocks used x bytes per block / the pool",
                      prefix_hit_rate=engine.prefix_hit_rate, computed_tokens=engine.stats.computed_tokens,
                      steps=engine.stats.steps, preemptions=engine.scheduler.num_preemptions)
@@ -407,7 +400,7 @@ def run_serving_benchmark(model: str = "smollm2-135m", dtype: str = "bfloat16", 
         llama_note = "llama_cpp is importable but not measured by this script"
     except ImportError:
         llama_note = "llama-cpp-python not installed: skipped"
-    bpt = kv_bytes_per_token(llm.config, llm.dtype)
+    bpt = llm.config.kv_bytes_per_token(llm.dtype, llm.engine.config.kv_cache_dtype)
     waste = kv_waste([len(r.prompt_token_ids) for r in workload], [r.max_tokens for r in workload], bpt,
                      llm.engine.blocks.block_size, n_seqs, llm.max_model_len)
     prefix_result = None
