@@ -4,18 +4,9 @@ import math
 import pytest
 import torch
 
-from minfer.config import ModelConfig
 from minfer.spec.distill import (KNOWN_DRAFTS, distillation_loss, greedy_acceptance, init_draft_from_target,
                                  load_draft, prune_mlp, save_draft, select_head_tokens, teacher_topk, train_draft)
-from minfer.models.llama import LlamaModel
-
-
-def tiny_target(seed: int = 0) -> LlamaModel:
-    torch.manual_seed(seed)
-    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
-                         num_kv_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-5,
-                         max_position_embeddings=64, tie_word_embeddings=True)
-    return LlamaModel(config).eval()
+from minfer.testing import tiny_llama
 
 
 def test_loss_is_the_kl_by_hand():
@@ -57,9 +48,9 @@ def test_prune_mlp_keeps_the_strongest_neurons_in_order():
 
 def test_draft_from_the_full_target_is_the_target():
     """All layers, no pruning, the full vocabulary as head: the draft computes the target's logits."""
-    target = tiny_target()
+    target = tiny_llama()
     draft = init_draft_from_target(target, [0, 1, 2], 48, torch.arange(64))
-    ids = torch.randint(0, 64, (2, 10))
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(10)[None].expand(2, -1)
     assert torch.allclose(draft(ids, pos, last_only=False), target(ids, pos, last_only=False), atol=1e-5)
     assert greedy_acceptance(draft, target, ids) == 1.0
@@ -68,7 +59,7 @@ def test_draft_from_the_full_target_is_the_target():
 
 
 def test_training_reduces_the_loss():
-    target = tiny_target()
+    target = tiny_llama()
     head = torch.arange(0, 64, 2)
     draft = init_draft_from_target(target, [0], 24, head)
     torch.manual_seed(1)
@@ -80,7 +71,7 @@ def test_training_reduces_the_loss():
 
 
 def test_save_and_load_round_trip(tmp_path):
-    target = tiny_target()
+    target = tiny_llama()
     draft = init_draft_from_target(target, [0, 2], 24, torch.tensor([5, 3, 9, 1]))
     save_draft(draft, tmp_path, {"layers_from": [0, 2]})
     loaded = load_draft(str(tmp_path), target, torch.float32, "cpu")
@@ -92,7 +83,7 @@ def test_save_and_load_round_trip(tmp_path):
 
 
 def test_a_draft_in_another_dtype_leaves_the_target_alone(tmp_path):
-    target = tiny_target()
+    target = tiny_llama()
     save_draft(init_draft_from_target(target, [0], 24, torch.arange(8)), tmp_path, {"layers_from": [0]})
     loaded = load_draft(str(tmp_path), target, torch.bfloat16, "cpu")
     assert loaded.embed_tokens.weight.dtype == torch.bfloat16
@@ -100,7 +91,7 @@ def test_a_draft_in_another_dtype_leaves_the_target_alone(tmp_path):
 
 
 def test_bad_names_list_the_known_drafts(tmp_path):
-    target = tiny_target()
+    target = tiny_llama()
     with pytest.raises(ValueError, match="smollm2-135m-draft-undistilled"):
         load_draft("no-such-draft", target)
     with pytest.raises(ValueError, match="hidden size"):  # the shipped draft does not fit a tiny target
@@ -133,7 +124,7 @@ def test_the_shipped_weights_are_package_data():
 
 
 def test_the_undistilled_draft_needs_float_layers():
-    target = tiny_target()
+    target = tiny_llama()
     target.lm_head = torch.nn.Identity()  # stands in for a quantized head
     with pytest.raises(ValueError, match="unquantized"):
         init_draft_from_target(target, [0], 24, torch.arange(8))

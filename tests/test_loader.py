@@ -6,31 +6,12 @@ import torch
 
 from minfer import LLM
 from minfer.models.loader import load_model, resolve_model_path, unpermute_qk
-
-TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-
-
-def make_tiny_checkpoint(folder, tokenizer, model_type: str, tie: bool, **overrides):
-    import transformers
-
-    torch.manual_seed(0)
-    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[model_type]
-    config = config_class(**{**TINY, **overrides}, tie_word_embeddings=tie, rope_theta=10000.0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    if model_type == "qwen2":  # make the q/k/v biases matter
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.5)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return model
+from minfer.testing import tiny_hf_checkpoint
 
 
 @pytest.mark.parametrize("model_type,tie", [("llama", False), ("llama", True), ("qwen2", False)])
 def test_hf_directory_matches_transformers(tmp_path, llm, model_type, tie):
-    reference = make_tiny_checkpoint(tmp_path, llm.tokenizer, model_type, tie)
+    reference = tiny_hf_checkpoint(tmp_path, llm.tokenizer, model_type, tie)
     tiny = LLM(str(tmp_path), dtype="float32", device="cpu")
     assert tiny.config.architecture == model_type and tiny.config.attention_bias == (model_type == "qwen2")
     ids = torch.tensor([[1, 400, 2000, 31, 9000, 77, 5]])
@@ -67,7 +48,7 @@ def test_corrupt_gguf_file(tmp_path):
 
 
 def test_truncated_safetensors(tmp_path, llm):
-    make_tiny_checkpoint(tmp_path, llm.tokenizer, "llama", True)
+    tiny_hf_checkpoint(tmp_path, llm.tokenizer, "llama", True)
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(ValueError, match="not a readable safetensors file"):
@@ -81,7 +62,7 @@ def test_directory_without_weights(tmp_path):
 
 
 def test_unsupported_architecture(tmp_path, llm):
-    make_tiny_checkpoint(tmp_path, llm.tokenizer, "llama", True)
+    tiny_hf_checkpoint(tmp_path, llm.tokenizer, "llama", True)
     config = json.loads((tmp_path / "config.json").read_text())
     config["model_type"] = "mamba"
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -6,7 +6,6 @@ import torch
 
 from minfer import LLM, SamplingParams
 from minfer.logprobs import MAX_LOGPROBS
-from test_loader import make_tiny_checkpoint
 
 PROMPT = "The Python interpreter reads a program, splits it into tokens and then"
 
@@ -123,16 +122,16 @@ def test_n_completions_share_one_prompt_logprobs(llm):
     assert [len(c.logprobs) for c in out.outputs] == [3, 3]
 
 
-def test_prompt_logprobs_survive_preemption(tmp_path, llm):
+def test_prompt_logprobs_survive_preemption(tiny_checkpoint):
     """A tight pool preempts requests mid-prefill: no position is scored twice or skipped."""
-    make_tiny_checkpoint(tmp_path, llm.tokenizer, "llama", True, max_position_embeddings=1024)
+    folder = tiny_checkpoint(max_position_embeddings=1024)
     gen = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(100, 40000, (n,), generator=gen).tolist()}
                for n in (300, 200, 250, 180, 320, 150)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1, prompt_logprobs=1)
-    roomy = LLM(str(tmp_path), dtype="float32", device="cpu", num_gpu_blocks_override=512)
+    roomy = LLM(folder, dtype="float32", device="cpu", num_gpu_blocks_override=512)
     expected = [roomy.generate(p, params, use_tqdm=False)[0] for p in prompts]
-    tight = LLM(str(tmp_path), dtype="float32", device="cpu", num_gpu_blocks_override=48, block_size=16,
+    tight = LLM(folder, dtype="float32", device="cpu", num_gpu_blocks_override=48, block_size=16,
                 max_num_batched_tokens=128)
     got = tight.generate(prompts, params, use_tqdm=False)
     assert tight.engine.scheduler.num_preemptions > 0

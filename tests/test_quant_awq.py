@@ -1,7 +1,6 @@
 """Activation-aware int4 (minfer/quant/awq.py): folding keeps the float model, scaling lowers the error."""
 import pytest
 import torch
-from test_loader import make_tiny_checkpoint
 from torch import nn
 
 from minfer import LLM
@@ -111,9 +110,8 @@ def test_calibration_text_is_disjoint_from_the_evaluation_text(llm):
         calibration_token_ids(llm.tokenizer, 0)
 
 
-def test_llm_quantization_awq_loads_and_generates(tmp_path, llm):
-    make_tiny_checkpoint(tmp_path, llm.tokenizer, "llama", tie=True)
-    tiny = LLM(str(tmp_path), dtype="float32", device="cpu", quantization="awq", quantization_group_size=32)
+def test_llm_quantization_awq_loads_and_generates(tiny_dir):
+    tiny = LLM(tiny_dir, dtype="float32", device="cpu", quantization="awq", quantization_group_size=32)
     assert isinstance(tiny.model.layers[1].self_attn.qkv_proj, Int4Linear)
     assert tiny.model.layers[1].self_attn.qkv_proj.group_size == 32
     assert len(tiny.generate(["Hello"], use_tqdm=False)[0].outputs[0].token_ids) > 0

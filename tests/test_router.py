@@ -7,7 +7,7 @@ import torch
 from minfer.bench.spec import cost_ratio
 from minfer.router import Answer, Router, evaluate_routing, greedy_answer, route, routing_cost, routing_prompts
 from minfer.spec.distill import init_draft_from_target
-from test_distill import tiny_target
+from minfer.testing import tiny_llama
 
 
 def test_route_escalates_when_unsure():
@@ -47,7 +47,7 @@ def test_evaluate_routing_by_hand():
 
 
 def test_greedy_answer_matches_recomputing_everything():
-    model = tiny_target()
+    model = tiny_llama()
     prompt = [3, 14, 15, 9, 2]
     answer = greedy_answer(model, prompt, 6)
     ids, probs = list(prompt), []
@@ -62,7 +62,7 @@ def test_greedy_answer_matches_recomputing_everything():
 
 
 def test_a_reduced_head_answers_in_target_token_ids():
-    target = tiny_target()
+    target = tiny_llama()
     head = torch.tensor([7, 21, 40, 63])
     draft = init_draft_from_target(target, [0], 24, head)
     answer = greedy_answer(draft, [1, 2, 3], 5)
@@ -70,8 +70,8 @@ def test_a_reduced_head_answers_in_target_token_ids():
 
 
 def test_router_thresholds_at_the_extremes():
-    full = tiny_target(0)
-    cheap = tiny_target(1)
+    full = tiny_llama(0)
+    cheap = tiny_llama(1)
     prompt = [5, 6, 7]
     assert Router(cheap, full, threshold=0.0).answer(prompt) == ("cheap", greedy_answer(cheap, prompt, 8))
     assert Router(cheap, full, threshold=1.0).answer(prompt) == ("full", greedy_answer(full, prompt, 8))
@@ -80,7 +80,7 @@ def test_router_thresholds_at_the_extremes():
 
 
 def test_cost_ratio_of_a_model_with_itself_is_about_one():
-    model = tiny_target()
+    model = tiny_llama()
     assert 1 / 3 < cost_ratio(model, model, context_len=8, repeats=3) < 3
 
 

@@ -15,20 +15,11 @@ from minfer.models.llama import LlamaModel
 from minfer.models.loader import load_model
 from minfer.spec import DraftModelProposer, NgramProposer, ngram_lookup, rejection_sample
 
-from test_loader import make_tiny_checkpoint
-
-VOCAB = 512  # tiny models: a small vocabulary keeps the sampling test fast and enumerable
+VOCAB = 512  # the vocabulary of tiny_small_vocab_dir: small enough to keep the sampling test fast and enumerable
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, llm):
-    folder = tmp_path_factory.mktemp("tiny_spec")
-    make_tiny_checkpoint(folder, llm.tokenizer, "llama", False, vocab_size=VOCAB, max_position_embeddings=512)
-    return str(folder)
-
-
-def tiny_llm(tiny_dir, **kwargs) -> LLM:
-    return LLM(tiny_dir, dtype="float32", device="cpu", max_model_len=512, **kwargs)
+def tiny_llm(tiny_small_vocab_dir, **kwargs) -> LLM:
+    return LLM(tiny_small_vocab_dir, dtype="float32", device="cpu", max_model_len=512, **kwargs)
 
 
 def perturb(model, scale: float, noise: float, seed: int) -> None:
@@ -157,11 +148,11 @@ def exact_joint(model, prompt, top_k, length):
     return joint
 
 
-def test_sampled_speculation_matches_the_target_distribution(tiny_dir):
+def test_sampled_speculation_matches_the_target_distribution(tiny_small_vocab_dir):
     """Temperature 1, top-k 3, a draft that differs from the target: the empirical law of the
     first three output tokens (one from the prefill, two from a verification pass with 2 drafts)
     matches the target's exact enumerated law."""
-    llm = tiny_llm(tiny_dir, speculative_model=tiny_dir, num_speculative_tokens=2, max_num_seqs=256)
+    llm = tiny_llm(tiny_small_vocab_dir, speculative_model=tiny_small_vocab_dir, num_speculative_tokens=2, max_num_seqs=256)
     perturb(llm.model, 60.0, 0.0, 0)
     perturb(llm.engine.proposer.model, 60.0, 0.1, 1)
     prompt = [17, 250, 3, 99, 401]
@@ -200,12 +191,10 @@ def test_greedy_ngram_and_drafts_equal_plain_greedy(llm, random_draft):
 
 
 @pytest.fixture(scope="module")
-def random_draft(tmp_path_factory, llm):
+def random_draft(tiny_checkpoint, llm):
     """A tiny random Llama over SmolLM2's vocabulary with a reduced output head: it proposes only
     among the 2000 tokens of `head_token_ids` (as a draft trained on frequent tokens would)."""
-    folder = tmp_path_factory.mktemp("tiny_draft")
-    make_tiny_checkpoint(folder, llm.tokenizer, "llama", False, max_position_embeddings=8192)
-    loaded = load_model(str(folder), torch.float32)
+    loaded = load_model(tiny_checkpoint(tie=False, max_position_embeddings=8192), torch.float32)
     loaded.weights["lm_head.weight"] = loaded.weights["lm_head.weight"][:2000]
     config = dataclasses.replace(loaded.config, vocab_size=llm.config.vocab_size)
     with torch.device("meta"):
@@ -232,16 +221,16 @@ def test_concurrent_speculation_equals_solo_and_respects_stops(llm):
     assert len(together[0].token_ids) == 7 and together[2].token_ids[-1] == stop_token
 
 
-def test_tight_pool_with_preemption_equals_plain(tiny_dir):
+def test_tight_pool_with_preemption_equals_plain(tiny_small_vocab_dir):
     """Many sequences, small blocks, a pool too small: drafts get cut, sequences preempted, prefix
     blocks sealed mid-speculation; the output still equals plain greedy and only accepted tokens
     ever reach the prefix cache."""
-    llm = tiny_llm(tiny_dir)
+    llm = tiny_llm(tiny_small_vocab_dir)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))]} for _ in range(12)]
     params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 60), ignore_eos=True) for _ in prompts]
     plain, _ = run_engine(llm, prompts, params, num_blocks=400, block_size=4)
-    draft = tiny_llm(tiny_dir).model
+    draft = tiny_llm(tiny_small_vocab_dir).model
     perturb(draft, 1.0, 0.05, 2)
     spec, engine = run_engine(llm, prompts, params, DraftModelProposer(draft, VOCAB), 4, num_blocks=40, block_size=4,
                               max_num_seqs=8, max_num_batched_tokens=32)
@@ -255,9 +244,9 @@ def test_tight_pool_with_preemption_equals_plain(tiny_dir):
 
 
 # ------------------------------------------------------------------ the API
-def test_llm_speculative_api_and_metrics(tiny_dir):
-    llm = tiny_llm(tiny_dir, speculative_model="[ngram]", num_speculative_tokens=3)
-    plain = tiny_llm(tiny_dir)
+def test_llm_speculative_api_and_metrics(tiny_small_vocab_dir):
+    llm = tiny_llm(tiny_small_vocab_dir, speculative_model="[ngram]", num_speculative_tokens=3)
+    plain = tiny_llm(tiny_small_vocab_dir)
     prompt = {"prompt_token_ids": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]}
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == \
@@ -268,7 +257,7 @@ def test_llm_speculative_api_and_metrics(tiny_dir):
     assert len(stats["acceptance_rate_per_position"]) == 3
 
 
-def test_bad_speculative_arguments(tiny_dir, tmp_path, llm):
+def test_bad_speculative_arguments(tiny_small_vocab_dir, tiny_checkpoint):
     for kwargs, match in [(dict(speculative_model="[ngram]"), "go together"),
                           (dict(num_speculative_tokens=3), "go together"),
                           (dict(speculative_model="[ngram]", num_speculative_tokens=0), r"integer in \[1, 16\]"),
@@ -277,18 +266,16 @@ def test_bad_speculative_arguments(tiny_dir, tmp_path, llm):
                           (dict(speculative_model="[ngram]", num_speculative_tokens=2.0), r"integer in \[1, 16\]"),
                           (dict(speculative_model=3, num_speculative_tokens=2), "speculative_model must be")]:
         with pytest.raises(ValueError, match=match):
-            tiny_llm(tiny_dir, **kwargs)
+            tiny_llm(tiny_small_vocab_dir, **kwargs)
     with pytest.raises(ValueError, match="no-such-draft"):
-        tiny_llm(tiny_dir, speculative_model="no-such-draft", num_speculative_tokens=2)
-    other = tmp_path / "other_vocab"
-    make_tiny_checkpoint(other, llm.tokenizer, "llama", False, vocab_size=VOCAB + 64, max_position_embeddings=512)
+        tiny_llm(tiny_small_vocab_dir, speculative_model="no-such-draft", num_speculative_tokens=2)
+    other = tiny_checkpoint(tie=False, vocab_size=VOCAB + 64, max_position_embeddings=512)
     with pytest.raises(ValueError, match="vocabulary"):
-        tiny_llm(tiny_dir, speculative_model=str(other), num_speculative_tokens=2)
-    short = tmp_path / "short_context"
-    make_tiny_checkpoint(short, llm.tokenizer, "llama", False, vocab_size=VOCAB, max_position_embeddings=64)
+        tiny_llm(tiny_small_vocab_dir, speculative_model=other, num_speculative_tokens=2)
+    short = tiny_checkpoint(tie=False, vocab_size=VOCAB, max_position_embeddings=64)
     with pytest.raises(ValueError, match="64 positions"):
-        tiny_llm(tiny_dir, speculative_model=str(short), num_speculative_tokens=2)
-    spec = tiny_llm(tiny_dir, speculative_model="[ngram]", num_speculative_tokens=2)
+        tiny_llm(tiny_small_vocab_dir, speculative_model=short, num_speculative_tokens=2)
+    spec = tiny_llm(tiny_small_vocab_dir, speculative_model="[ngram]", num_speculative_tokens=2)
     with pytest.raises(ValueError, match="logprobs"):
         spec.generate({"prompt_token_ids": [1, 2]}, SamplingParams(logprobs=1), use_tqdm=False)
     with pytest.raises(ValueError, match="serving engine"):
@@ -304,10 +291,10 @@ def test_expected_speedup_formula():
     assert expected_tokens_per_pass(1.0, 3) == 4 and expected_speedup(0.0, 5, 0.0) == 1.0
 
 
-def test_seeded_sampling_with_speculation_is_reproducible(tiny_dir):
+def test_seeded_sampling_with_speculation_is_reproducible(tiny_small_vocab_dir):
     """A seeded request draws drafts, acceptances and resamples from its own generator: the same
     tokens whatever shares the batch; its n completions differ from each other."""
-    llm = tiny_llm(tiny_dir, speculative_model=tiny_dir, num_speculative_tokens=3)
+    llm = tiny_llm(tiny_small_vocab_dir, speculative_model=tiny_small_vocab_dir, num_speculative_tokens=3)
     perturb(llm.model, 20.0, 0.0, 0)
     perturb(llm.engine.proposer.model, 20.0, 0.1, 3)
     params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=30, seed=7, n=2, ignore_eos=True)

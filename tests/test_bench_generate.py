@@ -1,4 +1,4 @@
-"""The timing helpers of minfer.benchmark, on a tiny random model (fast), and the CLI.
+"""The timing helpers of minfer.bench.generate and minfer.bench.common, on a tiny random model (fast), and the CLI.
 
 No absolute timing is asserted (the machine is shared); only counts, consistency, and ratios
 with wide headroom.
@@ -13,21 +13,18 @@ import pytest
 import torch
 
 from minfer import LLM
-from minfer.bench import generate as bm
 from minfer.__main__ import main
+from minfer.bench import common
+from minfer.bench import generate as bm
+from minfer.testing import MODEL_SHAPES, random_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = bm.MODEL_SHAPES["tiny"]
+TINY = MODEL_SHAPES["tiny"]
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> str:
-    return bm.random_checkpoint(str(tmp_path_factory.mktemp("tiny_ckpt")), "tiny", seed=1)
-
-
-@pytest.fixture(scope="module")
-def tiny_llm(tiny_dir) -> LLM:
-    return LLM(tiny_dir, dtype="float32", device="cpu")
+def tiny_llm(random_tiny_dir) -> LLM:
+    return LLM(random_tiny_dir, dtype="float32", device="cpu")
 
 
 def test_memory_bandwidth_is_positive_and_finite():
@@ -48,7 +45,7 @@ def test_weight_bytes_counts_every_matrix_once(tiny_llm):
 def test_weight_bytes_skips_an_untied_embedding(tmp_path):
     from dataclasses import replace
 
-    untied = bm.random_checkpoint(str(tmp_path), replace(TINY, tie_word_embeddings=False))
+    untied = random_checkpoint(str(tmp_path), replace(TINY, tie_word_embeddings=False))
     model = LLM(untied, dtype="float32", device="cpu").model
     all_params = sum(p.numel() * p.element_size() for p in model.parameters())
     # the head is read in full each step, the embedding only one row per token
@@ -104,8 +101,8 @@ def test_time_minfer_rejects_a_single_token():
         bm.time_minfer(None, [[1, 2]], max_tokens=1)
 
 
-def test_transformers_generates_the_same_tokens_as_minfer(tiny_dir, tiny_llm):
-    hf, tok = bm.load_transformers(tiny_dir, "float32", "cpu")
+def test_transformers_generates_the_same_tokens_as_minfer(random_tiny_dir, tiny_llm):
+    hf, tok = common.load_transformers(random_tiny_dir, "float32", "cpu")
     prompts = bm.make_prompts(TINY.vocab_size, 2, 6, seed=5)
     theirs = bm.time_transformers(hf, tok, prompts, max_tokens=6, batch_size=2)
     ours = bm.time_minfer(tiny_llm, prompts, max_tokens=6, batch_size=2)
@@ -171,8 +168,8 @@ def test_bench_script_and_cli_share_the_options():
         assert option in script and option in cli
 
 
-def test_cli_demo_streams_and_prints_timings(tiny_dir):
-    proc = subprocess.run([sys.executable, "-m", "minfer", "demo", "--model", tiny_dir, "--prompt", "t5 t6 t7",
+def test_cli_demo_streams_and_prints_timings(random_tiny_dir):
+    proc = subprocess.run([sys.executable, "-m", "minfer", "demo", "--model", random_tiny_dir, "--prompt", "t5 t6 t7",
                            "--max-tokens", "4", "--device", "cpu"], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr

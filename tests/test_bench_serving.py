@@ -1,4 +1,4 @@
-"""The serving benchmark's helpers (minfer/serving_bench.py) on a tiny random model: fast, no timing asserts."""
+"""The serving benchmark's helpers (minfer/bench/serving.py) on a tiny random model: fast, no timing asserts."""
 import importlib.util
 import json
 import random
@@ -10,16 +10,8 @@ import torch
 
 from minfer import LLM
 from minfer.bench import serving as sb
-from test_loader import make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, llm) -> str:
-    folder = tmp_path_factory.mktemp("tiny_serving")
-    make_tiny_checkpoint(folder, llm.tokenizer, "llama", tie=True)
-    return str(folder)
 
 
 @pytest.fixture(scope="module")

@@ -9,30 +9,22 @@ import torch
 from minfer import LLM
 from minfer.bench import quant as qb
 from minfer.models.loader import load_model
-from test_loader import make_tiny_checkpoint
 
 SMALL = dict(num_tokens=120, window=64, stride=32, prompts=2, agreement_tokens=4, max_tokens=4, prompt_len=8,
              batch_size=2, repeats=1)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, llm) -> str:
-    folder = tmp_path_factory.mktemp("tiny_quant_bench")
-    make_tiny_checkpoint(folder, llm.tokenizer, "llama", tie=True)
-    return str(folder)
-
-
 @pytest.mark.parametrize("model_type,tie", [("llama", True), ("qwen2", False)])
-def test_scrambled_model_gives_the_same_logits(tmp_path, llm, model_type, tie):
-    make_tiny_checkpoint(tmp_path / "plain", llm.tokenizer, model_type, tie)
-    qb.scrambled_checkpoint(str(tmp_path / "plain"), str(tmp_path / "scrambled"))
-    plain, scrambled = (LLM(str(tmp_path / name), dtype="float32", device="cpu", num_gpu_blocks_override=8)
-                        for name in ("plain", "scrambled"))
+def test_scrambled_model_gives_the_same_logits(tmp_path, tiny_checkpoint, model_type, tie):
+    plain_dir = tiny_checkpoint(model_type, tie)
+    qb.scrambled_checkpoint(plain_dir, str(tmp_path / "scrambled"))
+    plain, scrambled = (LLM(folder, dtype="float32", device="cpu", num_gpu_blocks_override=8)
+                        for folder in (plain_dir, str(tmp_path / "scrambled")))
     ids = torch.tensor([[1, 400, 2000, 31, 9000, 77, 5, 123]])
     positions = torch.arange(ids.shape[1])[None]
     ours = scrambled.model(ids, positions, last_only=False)
     assert (ours - plain.model(ids, positions, last_only=False)).abs().max().item() <= 1e-4
-    before = load_model(str(tmp_path / "plain")).weights
+    before = load_model(plain_dir).weights
     after = load_model(str(tmp_path / "scrambled")).weights
     name = "model.layers.0.mlp.gate_proj.weight"
     assert not torch.equal(before[name], after[name])  # the weights did move
