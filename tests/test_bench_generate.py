@@ -1,18 +1,23 @@
 """The timing helpers of minfer.bench.generate and minfer.bench.common, on a tiny random model (fast), and the CLI.
 
-No absolute timing is asserted (the machine is shared); only counts, consistency, and ratios
-with wide headroom.
+No absolute timing is asserted (the machine is shared). The arithmetic of each timing is checked
+exactly against a fake clock; real timings only against bounds from first principles (a request's
+timeline fits inside the call that ran it, no engine beats the bare matmuls) or against an
+independent measurement, with 3x headroom.
 """
 import json
 import os
+import re
 import subprocess
 import sys
+import time
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
-from minfer import LLM
+from minfer import LLM, SamplingParams
 from minfer.__main__ import main
 from minfer.bench import common
 from minfer.bench import generate as bm
@@ -22,22 +27,52 @@ REPO = Path(__file__).resolve().parent.parent
 TINY = MODEL_SHAPES["tiny"]
 
 
+def tiny_params() -> int:
+    """Parameters one decode step reads in the tiny shape, counted by hand: per layer q/k/v, o, gate/up/down
+    and two norms, then the final norm and the tied head (the embedding is not read in full)."""
+    c = TINY
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+    return c.num_layers * per_layer + c.hidden_size + c.vocab_size * c.hidden_size
+
+
 @pytest.fixture(scope="module")
 def tiny_llm(random_tiny_dir) -> LLM:
     return LLM(random_tiny_dir, dtype="float32", device="cpu")
 
 
-def test_memory_bandwidth_is_positive_and_finite():
-    bw = bm.measure_memory_bandwidth(size_mb=16, repeats=2)
-    assert 0 < bw < float("inf")
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """Replace the harness's clock: each read returns the next of the given times."""
+    def install(*times: float) -> None:
+        reads = iter(times)
+        monkeypatch.setattr(common, "time", types.SimpleNamespace(perf_counter=lambda: next(reads)))
+    return install
+
+
+def test_memory_bandwidth_counts_read_and_write_of_the_fastest_copy(fake_clock):
+    fake_clock(0.0, 3.0, 10.0, 12.0)  # two copies: 3 s, then 2 s
+    assert bm.measure_memory_bandwidth(size_mb=1, repeats=2) == 2 * 2**20 / 2.0  # 1 MiB read + 1 MiB written in 2 s
+
+
+def test_memory_bandwidth_agrees_with_a_numpy_copy():
+    """The same measurement made independently (numpy, same size) lands within 3x."""
+    import numpy as np
+
+    bw = bm.measure_memory_bandwidth(size_mb=16, repeats=5)
+    src = np.ones(16 * 2**20 // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    assert 1 / 3 < bw / (2 * src.nbytes / best) < 3
 
 
 def test_weight_bytes_counts_every_matrix_once(tiny_llm):
-    c = TINY
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
-    expected_params = c.num_layers * per_layer + c.hidden_size + c.vocab_size * c.hidden_size  # tied head once
-    assert bm.weight_bytes(tiny_llm.model) == 4 * expected_params
+    assert bm.weight_bytes(tiny_llm.model) == 4 * tiny_params()
     bf16 = LLM(tiny_llm.model_path, dtype="bfloat16", device="cpu")
     assert bm.weight_bytes(bf16.model) * 2 == bm.weight_bytes(tiny_llm.model)
 
@@ -67,11 +102,17 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def test_matmul_floor_is_positive_and_batching_is_nearly_free(tiny_llm, one_thread):
+def test_matmul_floor_is_the_fastest_run_per_step(tiny_llm, fake_clock):
+    fake_clock(0.0, 4.0, 10.0, 13.0)  # two runs of 20 steps: 4 s, then 3 s
+    floor = bm.matmul_floor(tiny_llm.model, batch_size=8, steps=20, warmup=0, repeats=2)
+    assert (floor.engine, floor.dtype, floor.batch_size, floor.ttft_s) == ("matmul floor", "float32", 8, None)
+    assert floor.tpot_s == pytest.approx(3.0 / 20)
+    assert floor.decode_tokens_per_s == pytest.approx(8 / 0.15)
+
+
+def test_matmul_floor_batching_is_nearly_free(tiny_llm, one_thread):
     one = bm.matmul_floor(tiny_llm.model, batch_size=1, steps=20)
     eight = bm.matmul_floor(tiny_llm.model, batch_size=8, steps=20)
-    assert one.tpot_s > 0 and one.ttft_s is None and one.engine == "matmul floor"
-    assert one.decode_tokens_per_s == pytest.approx(1 / one.tpot_s)
     # on a tiny model a step costs about the same for 1 or 8 rows: expect ~8x the tokens/s, ask for > 2x
     assert eight.decode_tokens_per_s > 2 * one.decode_tokens_per_s
 
@@ -86,10 +127,12 @@ def test_make_prompts_are_reproducible_and_in_range():
 
 def test_time_minfer_counts_the_tokens_it_generated(tiny_llm):
     prompts = bm.make_prompts(TINY.vocab_size, 3, 6)
-    t = bm.time_minfer(tiny_llm, prompts, max_tokens=5, batch_size=4)  # more rows than prompts: they repeat
+    start = time.perf_counter()
+    t = bm.time_minfer(tiny_llm, prompts, max_tokens=5, batch_size=4, warmup=False)  # more rows than prompts: they repeat
+    wall = time.perf_counter() - start
     assert (t.engine, t.dtype, t.batch_size, t.num_output_tokens, t.prompt_len) == ("minfer", "float32", 4, 5, 6)
-    assert t.ttft_s > 0 and t.tpot_s > 0
-    assert t.decode_tokens_per_s == pytest.approx(4 / t.tpot_s)
+    # TTFT + 4 TPOT is a request's whole timeline (arrival to last token): inside the call, and most of it
+    assert wall / 3 < t.ttft_s + 4 * t.tpot_s <= wall
     ids = t.extra["token_ids"]
     assert len(ids) == 4 and all(len(row) == 5 for row in ids)
     assert ids[3] == ids[0]  # row 3 is prompt 0 again, greedy: same tokens
@@ -104,18 +147,20 @@ def test_time_minfer_rejects_a_single_token():
 def test_transformers_generates_the_same_tokens_as_minfer(random_tiny_dir, tiny_llm):
     hf, tok = common.load_transformers(random_tiny_dir, "float32", "cpu")
     prompts = bm.make_prompts(TINY.vocab_size, 2, 6, seed=5)
-    theirs = bm.time_transformers(hf, tok, prompts, max_tokens=6, batch_size=2)
+    start = time.perf_counter()
+    theirs = bm.time_transformers(hf, tok, prompts, max_tokens=6, batch_size=2, warmup=False)
+    wall = time.perf_counter() - start
     ours = bm.time_minfer(tiny_llm, prompts, max_tokens=6, batch_size=2)
     assert (theirs.engine, theirs.batch_size, theirs.num_output_tokens) == ("transformers", 2, 6)
-    assert theirs.ttft_s > 0 and theirs.tpot_s > 0
+    assert wall / 3 < theirs.ttft_s + 5 * theirs.tpot_s <= wall  # generate's first step to its last, inside the call
     assert theirs.extra["token_ids"] == ours.extra["token_ids"]  # same weights, greedy: the same work
     assert hf.generation_config.eos_token_id == tok.eos_token_id  # switched off only during the call
 
 
 def test_mbu_is_weight_bytes_per_step_over_bandwidth():
     assert bm.model_bandwidth_utilisation(1e9, 0.02, 100e9) == pytest.approx(0.5)
-    t = bm.Timing("minfer", "float32", 1, 0.1, 0.05, 10)
-    assert bm.model_bandwidth_utilisation(540e6, t.tpot_s, 54e9) == pytest.approx(540e6 * t.decode_tokens_per_s / 54e9)
+    assert bm.model_bandwidth_utilisation(540e6, 0.05, 54e9) == pytest.approx(0.2)  # 540 MB x 20 steps/s of 54 GB/s
+    assert bm.Timing("minfer", "float32", 4, 0.1, 0.02, 10).decode_tokens_per_s == pytest.approx(200)  # 4 rows / 20 ms
 
 
 def test_best_of_keeps_the_fastest():
@@ -127,13 +172,17 @@ def test_best_of_keeps_the_fastest():
 def test_run_benchmark_table_and_docs_section(tmp_path):
     result = bm.run_generate_benchmark(random_weights="tiny", dtypes=["float32"], batch_sizes=[1, 2], max_tokens=3,
                                        prompt_len=4, repeats=1, floor_steps=2, progress=False, bandwidth_mb=8)
-    engines = {(r["engine"], r["batch_size"]) for r in result["rows"]}
-    assert engines == {(e, b) for e in ("minfer", "transformers", "matmul floor") for b in (1, 2)}
-    assert all(r["mbu"] > 0 and r["decode_tokens_per_s"] > 0 for r in result["rows"])
-    (ratio,) = [e for e in result["ratios"] if e["batch_size"] == 1]
-    rows = {r["engine"]: r for r in result["rows"] if r["batch_size"] == 1}
-    assert ratio["minfer_vs_transformers"] == pytest.approx(rows["minfer"]["decode_tokens_per_s"]
-                                                            / rows["transformers"]["decode_tokens_per_s"])
+    rows = {(r["engine"], r["batch_size"]): r for r in result["rows"]}
+    assert set(rows) == {(e, b) for e in ("minfer", "transformers", "matmul floor") for b in (1, 2)}
+    assert result["weight_bytes_per_step"] == {"float32": 4 * tiny_params()}
+    for b in (1, 2):
+        (ratio,) = [e for e in result["ratios"] if e["batch_size"] == b]
+        # the floor is the zero-overhead bound: neither engine decodes faster than the bare matmuls
+        assert ratio["minfer_vs_floor"] < 1 and ratio["transformers_vs_floor"] < 1
+        # the same batch, so the ratio of decode speeds is the inverse ratio of TPOTs
+        assert ratio["minfer_vs_transformers"] == pytest.approx(rows["transformers", b]["tpot_s"] / rows["minfer", b]["tpot_s"])
+        # MBU divides by the same bytes and bandwidth for every engine: MBU ratios are speed ratios
+        assert rows["minfer", b]["mbu"] / rows["matmul floor", b]["mbu"] == pytest.approx(ratio["minfer_vs_floor"])
     json.dumps(result)  # JSON-able
     table = bm.format_markdown(result, command="python -m minfer bench --x")
     assert "| float32 | 2 | minfer |" in table and "python -m minfer bench --x" in table
@@ -159,27 +208,58 @@ def test_cli_bench_writes_json_and_markdown(tmp_path, capsys):
     assert md.read_text() in capsys.readouterr().out
 
 
-def test_bench_script_and_cli_share_the_options():
+BENCH_OPTIONS = ["-h", "--quick", "--model", "--random-weights", "--device", "--dtypes", "--batch-sizes", "--engines",
+                 "--max-tokens", "--prompt-len", "--repeats", "--floor-steps", "--threads", "--json", "--markdown",
+                 "--update-docs", "--no-progress"]
+
+
+def test_bench_script_and_cli_share_the_options(capsys):
     script = subprocess.run([sys.executable, "benchmarks/bench_generate.py", "--help"], cwd=REPO,
                             capture_output=True, text=True, check=True).stdout
-    cli = subprocess.run([sys.executable, "-m", "minfer", "bench", "--help"], cwd=REPO,
-                         capture_output=True, text=True, check=True).stdout
-    for option in ("--quick", "--json", "--update-docs", "--random-weights", "--device", "--batch-sizes"):
-        assert option in script and option in cli
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "--help"])
+    assert done.value.code == 0
+    cli = capsys.readouterr().out
+    options = lambda text: re.findall(r"^  (--?[a-z][\w-]*)", text, re.M)
+    assert options(script) == options(cli) == BENCH_OPTIONS
+    # the script knows its checkout's docs page; the CLI, installed anywhere, must be told where it is
+    assert re.search(r"^  --update-docs \[PATH\]", script, re.M) and re.search(r"^  --update-docs PATH", cli, re.M)
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "--update-docs"])
+    assert done.value.code == 2 and "--update-docs: expected one argument" in capsys.readouterr().err
 
 
-def test_cli_demo_streams_and_prints_timings(random_tiny_dir):
+TIMINGS = re.compile(r"^TTFT \d+ ms \((\d+) prompt tokens\) \| TPOT ([\d.]+) ms \| ([\d.]+) tokens/s \((\d+) tokens\)$")
+
+
+def check_demo_output(out: str, prompt: str, answer: str, num_prompt_tokens: int, num_tokens: int) -> None:
+    """The prompt, the streamed answer (what greedy generate gives), then one line of timings."""
+    head, timings = out.rstrip("\n").rsplit("\n", 1)
+    assert head == f"> {prompt}\n\n{answer}\n"
+    match = TIMINGS.match(timings)
+    assert match, timings
+    assert (int(match[1]), int(match[4])) == (num_prompt_tokens, num_tokens)
+    tpot_ms, tokens_per_s = float(match[2]), float(match[3])
+    # tokens/s is 1 / TPOT, both printed to one decimal (so each within 0.05 of the true value)
+    assert tokens_per_s * tpot_ms / 1000 == pytest.approx(1, abs=0.05 / tpot_ms + 0.05 / tokens_per_s)
+
+
+def test_cli_demo_streams_and_prints_timings(random_tiny_dir, tiny_llm):
     proc = subprocess.run([sys.executable, "-m", "minfer", "demo", "--model", random_tiny_dir, "--prompt", "t5 t6 t7",
                            "--max-tokens", "4", "--device", "cpu"], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "TTFT" in proc.stdout and "TPOT" in proc.stdout and "tokens/s" in proc.stdout
+    answer = tiny_llm.generate("t5 t6 t7", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0]
+    assert len(answer.token_ids) == 4  # no EOS from this model on this prompt: the demo's count is known
+    check_demo_output(proc.stdout, "t5 t6 t7", answer.text, 3, 4)  # a base model: no chat template, 3 word tokens
 
 
-def test_cli_demo_with_the_real_model(capsys):
+@pytest.mark.slow
+def test_cli_demo_with_the_real_model(capsys, llm):
     assert main(["demo", "--prompt", "Say hi.", "--max-tokens", "3", "--device", "cpu"]) == 0
-    out = capsys.readouterr().out
-    assert "> Say hi." in out and "TTFT" in out and "(3 tokens)" in out
+    prompt = llm.apply_chat_template([{"role": "user", "content": "Say hi."}])
+    answer = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+    check_demo_output(capsys.readouterr().out, "Say hi.", answer.outputs[0].text, len(answer.prompt_token_ids), 3)
 
 
 def test_cli_bad_model_is_an_error_message(capsys):
