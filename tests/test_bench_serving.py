@@ -6,12 +6,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from minfer import LLM
 from minfer.bench import serving as sb
 
 REPO = Path(__file__).resolve().parent.parent
+BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny_dir's K and V: 2 layers x 2 KV heads x head_dim 16, float32
 
 
 @pytest.fixture(scope="module")
@@ -79,27 +79,22 @@ def test_kv_waste_against_hand_computed_numbers():
     assert rows["paged bl"]["waste"] == pytest.approx(1 - 71 / 96)
 
 
-def test_kv_bytes_per_token(tiny_llm):
-    from minfer.engine.paged_kv import KVPool
-
-    per_block = KVPool.bytes_per_block(tiny_llm.config, 16, torch.float32)
-    assert sb.kv_bytes_per_token(tiny_llm.config, torch.float32) * 16 == per_block
-
-
 def test_run_minfer_counts_and_kv(tiny_llm):
     work = sb.make_workload(tiny_llm.tokenizer, 6, (4, 40), (2, 20), seed=3)
     cont = sb.run_minfer(tiny_llm, work, "continuous", max_num_seqs=4)
     static = sb.run_minfer(tiny_llm, work, "static", max_num_seqs=4)
     total = sum(r.max_tokens for r in work)
     assert cont["output_tokens"] == static["output_tokens"] == total and cont["requests"] == 6
-    bpt = sb.kv_bytes_per_token(tiny_llm.config, tiny_llm.dtype)
-    first, second = work[:4], work[4:]
-    slots = [len(b) * (max(len(r.prompt_token_ids) for r in b) + max(r.max_tokens for r in b)) for b in (first, second)]
-    assert static["kv_reserved_bytes"] == max(slots) * bpt
-    assert static["kv_used_bytes"] <= static["kv_reserved_bytes"]
-    # paged: at least the largest single request's blocks, at most its share of the pool
-    biggest = max(-(-(len(r.prompt_token_ids) + r.max_tokens) // 16) for r in work)
-    assert biggest * 16 * bpt <= cont["kv_used_bytes"] <= cont["kv_reserved_bytes"] == tiny_llm.engine.pool.nbytes
+    bpt = BYTES_PER_TOKEN
+    batches = work[:4], work[4:]
+    slots = [len(b) * (max(len(r.prompt_token_ids) for r in b) + max(r.max_tokens for r in b)) for b in batches]
+    peak = slots.index(max(slots))  # static: the largest batch's contiguous cache, and the tokens it holds at its end
+    assert static["kv_reserved_bytes"] == slots[peak] * bpt
+    assert static["kv_used_bytes"] == sum(len(r.prompt_token_ids) + r.max_tokens for r in batches[peak]) * bpt
+    # paged: at least the largest request's blocks, at most the blocks of the 4 largest (4 run at once)
+    blocks = sorted(-(-(len(r.prompt_token_ids) + r.max_tokens) // 16) for r in work)
+    assert blocks[-1] * 16 * bpt <= cont["kv_used_bytes"] <= sum(blocks[-4:]) * 16 * bpt
+    assert cont["kv_reserved_bytes"] == tiny_llm.engine.runner.pool.nbytes == 2**22 // (16 * bpt) * 16 * bpt
     seq = sb.run_sequential(tiny_llm, work[:2])
     assert seq["output_tokens"] == work[0].max_tokens + work[1].max_tokens
 
@@ -148,8 +143,11 @@ def test_quick_cli_end_to_end(tiny_dir, tmp_path):
     assert result["rows"][0]["output_tokens"] == result["rows"][1]["output_tokens"] == \
         result["settings"]["workload_output_tokens"]
     assert result["rows"][3]["output_tokens"] == result["rows"][4]["output_tokens"]  # the same subset
-    assert set(result["ratios"]) >= {"continuous_vs_sequential", "continuous_vs_transformers", "continuous_vs_static"}
+    assert set(result["ratios"]) == {"continuous_vs_static", "continuous_vs_sequential", "subset_continuous_vs_sequential",
+                                     "continuous_vs_transformers", "subset_continuous_vs_transformers"}
+    assert result["kv_bytes_per_token"] == BYTES_PER_TOKEN
     assert len(result["prefix"]["rows"]) == 5 and result["prefix"]["rows"][2]["hit_rate"] == 0  # shared text last
     assert [w["waste"] for w in result["kv_waste"]] == sorted((w["waste"] for w in result["kv_waste"]), reverse=True)
     text = page.read_text()
-    assert "keep me" in text and sb.DOCS_START in text and "minfer one by one" in text and png.stat().st_size > 0
+    assert "keep me" in text and sb.DOCS_START in text and "minfer one by one" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
