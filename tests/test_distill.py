@@ -27,7 +27,6 @@ def test_loss_with_the_teachers_top_k_only():
     log_q = torch.log_softmax(draft, -1)[0, [3, 0]]
     expected = (p * (p.log() - log_q)).sum()
     assert distillation_loss(draft, values, indices).item() == pytest.approx(expected.item(), rel=1e-5)
-    assert distillation_loss(draft, values, indices) > 0  # the draft also puts mass on tokens the teacher has not
 
 
 def test_head_tokens_are_the_most_frequent_ties_to_lower_ids():

@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from minfer import LLM
+from minfer import LLM, SamplingParams
 from minfer.config import ModelConfig
 from minfer.evaluate import EVAL_TOPICS
 from minfer.models.llama import LlamaModel
@@ -114,7 +114,8 @@ def test_llm_quantization_awq_loads_and_generates(tiny_dir):
     tiny = LLM(tiny_dir, dtype="float32", device="cpu", quantization="awq", quantization_group_size=32)
     assert isinstance(tiny.model.layers[1].self_attn.qkv_proj, Int4Linear)
     assert tiny.model.layers[1].self_attn.qkv_proj.group_size == 32
-    assert len(tiny.generate(["Hello"], use_tqdm=False)[0].outputs[0].token_ids) > 0
+    out = tiny.generate(["Hello"], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
 
 
 def test_bad_input():

@@ -180,7 +180,7 @@ def test_greedy_ngram_and_drafts_equal_plain_greedy(llm, random_draft):
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     ngram, engine = run_engine(llm, prompts, params, NgramProposer(), 4)
     assert [o.token_ids for o in ngram] == plain
-    assert engine.spec_stats.num_accepted_tokens > 0
+    assert engine.spec_stats.draft_acceptance_rate > 0.13  # measured 0.40 (22 of 55 guesses): 3x headroom
     own, engine = run_engine(llm, prompts[:1], params[:1], DraftModelProposer(llm.model, llm.config.vocab_size), 3)
     assert own[0].token_ids == plain[0]
     assert engine.spec_stats.draft_acceptance_rate == 1.0
@@ -236,7 +236,8 @@ def test_tight_pool_with_preemption_equals_plain(tiny_small_vocab_dir):
                               max_num_seqs=8, max_num_batched_tokens=32)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert engine.scheduler.num_preemptions > 0
-    assert 0 < engine.spec_stats.draft_acceptance_rate < 1
+    # measured 0.74 (a lightly perturbed copy of the target): 3x headroom on acceptance and on rejection
+    assert 0.25 < engine.spec_stats.draft_acceptance_rate < 0.91
     finals = [p["prompt_token_ids"] + o.token_ids for p, o in zip(prompts, spec)]
     for block in engine.blocks.blocks:  # every sealed block holds a real run of some sequence's tokens
         if block.hash is not None:
@@ -252,7 +253,8 @@ def test_llm_speculative_api_and_metrics(tiny_small_vocab_dir):
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == \
         plain.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     stats = llm.engine.spec_stats.as_dict()
-    assert stats["num_draft_tokens"] >= stats["num_accepted_tokens"] > 0
+    assert stats["num_draft_tokens"] >= stats["num_accepted_tokens"]
+    assert stats["draft_acceptance_rate"] > 0.14  # measured 0.43 (6 of 14 guesses on a repeating prompt): 3x headroom
     assert stats["mean_acceptance_length"] == 1 + stats["num_accepted_tokens"] / stats["num_drafts"]
     assert len(stats["acceptance_rate_per_position"]) == 3
 
@@ -305,4 +307,4 @@ def test_seeded_sampling_with_speculation_is_reproducible(tiny_small_vocab_dir):
     assert [o.token_ids for o in alone.outputs] == [o.token_ids for o in company.outputs]
     assert alone.outputs[0].token_ids != alone.outputs[1].token_ids
     assert all(len(o.token_ids) == 30 for o in alone.outputs)
-    assert llm.engine.spec_stats.num_accepted_tokens > 0
+    assert llm.engine.spec_stats.draft_acceptance_rate > 0.19  # measured 0.57 (36 of 63): 3x headroom
