@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from minfer.benchmark import measure_memory_bandwidth
+from minfer.bench.generate import measure_memory_bandwidth
 
 
 def kernel_bandwidth(num_seqs: int = 32, context_len: int = 4096, num_heads: int = 32, num_kv_heads: int = 8,

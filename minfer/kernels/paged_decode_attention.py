@@ -27,15 +27,17 @@ One program per (sequence, KV head). It walks the sequence's tokens in tiles of 
    heads share each KV head (query head h reads KV head h // group). The program holds all of
    them as the rows of a [group, head_dim] query tile, so each K/V tile is loaded once and used
    ``group`` times: the bandwidth saving GQA promises, which a kernel with one program per query
-   head would give away. ``tl.dot`` needs at least 16 rows on a GPU, so the group is padded to
-   ``BLOCK_G`` rows and the padding masked off; the wasted multiply-adds are free in a
-   memory-bound kernel.
-3. *Online softmax.* The program never holds a full row of scores. It keeps, per query head, the
-   running maximum ``m``, the running sum ``l`` of exp(score - m), and the running output
-   ``acc`` = sum of exp(score - m) * v. When a tile raises the maximum from ``m`` to ``m'``,
-   everything accumulated so far was scaled by exp(-m) instead of exp(-m'), so it is rescaled by
-   ``alpha = exp(m - m')`` before the tile is added. At the end ``acc / l`` is exactly
-   softmax(scores) @ V: the same numbers as the reference, computed in one pass.
+   head would give away. The group is padded to ``BLOCK_G`` = 16 rows, the height of a
+   tensor-core tile (older Triton versions refuse a smaller ``tl.dot``; newer ones pad it
+   themselves), and the padding masked off; the wasted multiply-adds are free in a memory-bound
+   kernel.
+3. *Online softmax* (``online_softmax.py``). The program never holds a full row of scores. It
+   keeps, per query head, the running maximum ``m``, the running sum ``l`` of exp(score - m), and
+   the running output ``acc`` = sum of exp(score - m) * v. When a tile raises the maximum from
+   ``m`` to ``m'``, everything accumulated so far was scaled by exp(-m) instead of exp(-m'), so it
+   is rescaled by ``alpha = exp(m - m')`` before the tile is added (``online_softmax_update``, the
+   step the prefill kernel shares). At the end ``acc / l`` is exactly softmax(scores) @ V: the
+   same numbers as the reference, computed in one pass.
 
 What comes next (not done here): when a batch has few sequences but long contexts, one program
 per (sequence, KV head) leaves most of a GPU idle; *split-K* ("flash decoding") gives several
@@ -56,6 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minfer.kernels.online_softmax import online_softmax_update
 from minfer.kernels.paged_cache import check_attention_inputs, check_tile, gather_kv, load_kv_tile, use_triton
 
 
@@ -123,34 +126,45 @@ def _paged_decode_kernel(
         if QUANTIZED:  # the dequantized tiles are float32; tl.dot wants both operands in q's dtype
             k, v = k.to(q.dtype), v.to(q.dtype)
 
-        scores = tl.dot(q, tl.trans(k)) * scale                          # [BLOCK_G, BLOCK_N], float32
+        # input_precision="ieee": float32 stays float32 on a GPU (the default rounds it to TF32).
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_N], float32
         scores = tl.where(token_ok[None, :], scores, float("-inf"))
-        # The first tile always holds position 0, so m_new is finite from then on and
-        # alpha = exp(-inf - finite) = 0 cleanly discards the (empty) initial state.
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        # The first tile holds position 0, so every row has a finite score, as the update requires.
+        m, l, acc = online_softmax_update(m, l, acc, scores, v)
 
     out = acc / l[:, None]
     tl.store(out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
+def decode_tiles(dtype: torch.dtype) -> dict:
+    """The tile of keys per loop step (``BLOCK_N``) and the warps per program, for queries of ``dtype``.
+
+    bfloat16/float16: 64 keys over 4 warps; ``tl.dot`` runs on tensor cores. float32: the kernel
+    asks for exact float32 products (input_precision="ieee"), which ``tl.dot`` computes on the
+    CUDA cores with far more of each operand held in registers; with 64 keys per step the
+    int8-KV and head_dim-128 variants spill registers, so float32 takes 16 keys over 8 warps.
+    ``benchmarks/kernel_resources.py`` shows each variant's registers and shared memory.
+    """
+    return {"BLOCK_N": 16, "num_warps": 8} if dtype == torch.float32 else {"BLOCK_N": 64, "num_warps": 4}
+
+
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: Optional[float] = None, *, block_n: int = 64,
+                           scale: Optional[float] = None, *, block_n: Optional[int] = None,
                            k_scales: Optional[torch.Tensor] = None, v_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The Triton kernel for ``paged_decode_attention_reference`` (same arguments, same result).
 
     ``block_n`` is the number of tokens a program processes per step of its loop (a power of two,
-    at least 16): a tuning knob, independent of the pools' block size. Runs the Triton kernel on
-    CUDA tensors or under TRITON_INTERPRET=1; elsewhere falls back to the reference.
+    at least 16; default: ``decode_tiles``): a tuning knob, independent of the pools' block size.
+    Runs the Triton kernel on CUDA tensors or under TRITON_INTERPRET=1; elsewhere falls back to
+    the reference.
     """
     group = check_attention_inputs(q, k_pool, v_pool, block_tables, context_lens, k_scales, v_scales)
-    check_tile("block_n", block_n)
+    tiles = decode_tiles(q.dtype)
+    if block_n is not None:
+        check_tile("block_n", block_n)
+        tiles["BLOCK_N"] = block_n
     if not use_triton(q):
         return paged_decode_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale,
                                                 k_scales=k_scales, v_scales=v_scales)
@@ -170,8 +184,9 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         out.stride(0), out.stride(1),
         head_dim,
         GROUP=group, BLOCK_SIZE=k_pool.shape[1], QUANTIZED=quantized,
-        # tl.dot wants every side >= 16 on a GPU, and tl.arange wants powers of two.
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        # tl.arange wants powers of two; on a GPU tl.dot wants its inner side (BLOCK_D, BLOCK_N)
+        # >= 16 for 16-bit operands, and older Triton versions 16 rows too (BLOCK_G).
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles["BLOCK_N"],
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=tiles["num_warps"],
     )
     return out

@@ -25,8 +25,9 @@ The kernel
 Flash attention: one program per (tile of ``BLOCK_M`` queries, sequence, query head). It loads
 its query tile once, then walks the keys in tiles of ``BLOCK_N``, gathered through the block
 table exactly as in the decode kernel, keeping the online-softmax state (running max ``m``,
-running sum ``l``, running output ``acc``) per query row. Only a [BLOCK_M, BLOCK_N] block of
-scores exists at any time. Two consequences of causality save work:
+running sum ``l``, running output ``acc``) per query row and updating it with the decode kernel's
+step (``online_softmax.py``). Only a [BLOCK_M, BLOCK_N] block of scores exists at any time.
+Two consequences of causality save work:
 
 * the key loop stops after the position of the tile's last query: later keys are invisible to
   every row of the tile;
@@ -51,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minfer.kernels.online_softmax import online_softmax_update
 from minfer.kernels.paged_cache import check_attention_inputs, check_tile, gather_kv, load_kv_tile, use_triton
 
 
@@ -143,36 +145,50 @@ def _paged_prefill_kernel(
         if QUANTIZED:  # the dequantized tiles are float32; tl.dot wants both operands in q's dtype
             k, v = k.to(q.dtype), v.to(q.dtype)  # [BLOCK_N, BLOCK_D]
 
-        scores = tl.dot(q, tl.trans(k)) * scale                          # [BLOCK_M, BLOCK_N], float32
+        # input_precision="ieee": float32 stays float32 on a GPU (the default rounds it to TF32).
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N], float32
         visible = token_ok[None, :] & (positions[None, :] <= query_pos[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         # Every row sees position 0 in the first tile (padding rows past q_len sit beyond the
-        # context and see all of it), so m_new is finite and no row ever computes -inf - -inf.
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        # context and see all of it), so every row has a finite score, as the update requires.
+        m, l, acc = online_softmax_update(m, l, acc, scores, v)
 
     out = acc / l[:, None]
     out_offsets = (q_start + rows)[:, None] * stride_out_token + head * stride_out_head + dims[None, :]
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
+def prefill_tiles(dtype: torch.dtype) -> dict:
+    """The tile (``BLOCK_M`` queries x ``BLOCK_N`` keys) and the warps per program, for queries of ``dtype``.
+
+    bfloat16/float16: 64 x 32 over 4 warps, on tensor cores (64 x 64 spills a few registers on
+    sm_80 with head_dim 128 or int8 KV). float32: exact products (input_precision="ieee") run on
+    the CUDA cores and hold far more in registers: 64 x 64 spills kilobytes and takes tens of
+    seconds to compile, so float32 takes 16 x 16 over 8 warps, which spills in no variant.
+    ``benchmarks/kernel_resources.py`` shows each variant's registers and shared memory.
+    """
+    if dtype == torch.float32:
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 8}
+    return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4}
+
+
 def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                            scale: Optional[float] = None, *, block_m: int = 64, block_n: int = 64,
-                            k_scales: Optional[torch.Tensor] = None, v_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            scale: Optional[float] = None, *, block_m: Optional[int] = None,
+                            block_n: Optional[int] = None, k_scales: Optional[torch.Tensor] = None,
+                            v_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The Triton kernel for ``paged_prefill_attention_reference`` (same arguments, same result).
 
-    ``block_m`` queries and ``block_n`` keys make one tile (powers of two, at least 16): tuning
-    knobs, independent of the pools' block size. Runs the Triton kernel on CUDA tensors or under
-    TRITON_INTERPRET=1; elsewhere falls back to the reference.
+    ``block_m`` queries and ``block_n`` keys make one tile (powers of two, at least 16; default:
+    ``prefill_tiles``): tuning knobs, independent of the pools' block size. Runs the Triton kernel
+    on CUDA tensors or under TRITON_INTERPRET=1; elsewhere falls back to the reference.
     """
     group = check_attention_inputs(q, k_pool, v_pool, block_tables, context_lens, k_scales, v_scales)
-    check_tile("block_m", block_m)
-    check_tile("block_n", block_n)
+    tiles = prefill_tiles(q.dtype)
+    for name, size in (("block_m", block_m), ("block_n", block_n)):
+        if size is not None:
+            check_tile(name, size)
+            tiles[name.upper()] = size
     if not use_triton(q):
         return paged_prefill_attention_reference(q, k_pool, v_pool, block_tables, cu_seqlens_q, context_lens, scale,
                                                  k_scales=k_scales, v_scales=v_scales)
@@ -181,7 +197,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     num_heads, head_dim = q.shape[1:]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     out = torch.empty_like(q)
-    grid = (triton.cdiv(max_q_len, block_m), len(context_lens), num_heads)
+    grid = (triton.cdiv(max_q_len, tiles["BLOCK_M"]), len(context_lens), num_heads)
     quantized = k_scales is not None
     _paged_prefill_kernel[grid](
         q, k_pool, v_pool, block_tables, cu_seqlens_q, context_lens, out,
@@ -194,6 +210,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
         out.stride(0), out.stride(1),
         head_dim,
         GROUP=group, BLOCK_SIZE=k_pool.shape[1], QUANTIZED=quantized,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=tiles["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"], BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        num_warps=tiles["num_warps"],
     )
     return out

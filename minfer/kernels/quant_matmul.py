@@ -29,8 +29,16 @@ registers, one tile at a time; memory is read in the small format.
   cannot be factored out; ``BLOCK_K`` divides the group size, so each K step lies inside one group
   and needs one scale and one minimum per row: ``w = q * scale + min``.
 
-``tl.dot`` needs at least 16 rows on a GPU, so a decode step's single row is padded to
-``BLOCK_M = 16`` and masked; in a memory-bound kernel the wasted multiply-adds cost nothing.
+A tensor core multiplies tiles of at least 16 rows, so a decode step's single row is padded to
+``BLOCK_M = 16`` and masked (older Triton versions refuse a smaller ``tl.dot``; newer ones pad it
+themselves); in a memory-bound kernel the wasted multiply-adds cost nothing.
+
+Float32 activations: on a GPU ``tl.dot`` rounds float32 operands to TF32 (10 mantissa bits)
+unless told ``input_precision="ieee"``, which both kernels say. It makes float32 exact (and
+slower: no tensor cores, and more registers, hence 8 warps: ``matmul_warps``) and changes nothing
+for bfloat16 or float16, which tensor cores multiply exactly. The interpreter computes in float32
+either way, so only a GPU shows the difference.
+
 Each wrapper runs its Triton kernel on CUDA tensors or under TRITON_INTERPRET=1 (see
 ``paged_cache.py``), and otherwise falls back to its PyTorch reference.
 """
@@ -68,8 +76,9 @@ def _int8_matmul_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K,
         k_ok = ks < K
         x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         q = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0)
-        # int8 values are exact in every float format (bfloat16 holds integers up to 256).
-        acc += tl.dot(x, tl.trans(q.to(x.dtype)))
+        # int8 values are exact in every float format (bfloat16 holds integers up to 256); float32
+        # activations stay float32 with input_precision="ieee" (the GPU default rounds them to TF32).
+        acc += tl.dot(x, tl.trans(q.to(x.dtype)), input_precision="ieee")
     scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0)
     acc = acc * scale[None, :]  # the per-row scale, applied once per output instead of once per weight
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -95,9 +104,16 @@ def _int4_matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, K,
         scale = tl.load(scale_ptr + cols * stride_sn + group, mask=col_ok, other=0.0).to(tl.float32)
         minimum = tl.load(min_ptr + cols * stride_sn + group, mask=col_ok, other=0.0).to(tl.float32)
         w = q.to(tl.float32) * scale[:, None] + minimum[:, None]  # [BLOCK_N, BLOCK_K], only in registers
-        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision="ieee")  # exact float32, as above
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
+
+
+def matmul_warps(dtype: torch.dtype) -> int:
+    """Warps per program for activations of ``dtype``: 4, but 8 for float32, whose exact products
+    (input_precision="ieee") run on the CUDA cores and need more registers than 4 warps have
+    without spilling (``benchmarks/kernel_resources.py`` shows each variant's registers)."""
+    return 8 if dtype == torch.float32 else 4
 
 
 def _launch_shape(x: torch.Tensor, n: int, block_m: int, block_n: int):
@@ -119,7 +135,7 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *,
     n, k = q.shape
     x2, out, grid = _launch_shape(x, n, block_m, block_n)
     _int8_matmul_kernel[grid](x2, q, scale, out, x2.shape[0], n, k, x2.stride(0), q.stride(0), out.stride(0),
-                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=matmul_warps(x.dtype))
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -140,5 +156,6 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, mini
     x2, out, grid = _launch_shape(x, n, block_m, block_n)
     _int4_matmul_kernel[grid](x2, packed, scale, minimum, out, x2.shape[0], n, k,
                               x2.stride(0), packed.stride(0), scale.stride(0), out.stride(0),
-                              GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+                              GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                              num_warps=matmul_warps(x.dtype))
     return out.reshape(*x.shape[:-1], n)

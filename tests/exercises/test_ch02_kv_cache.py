@@ -29,7 +29,8 @@ def test_cache_bytes_match_an_allocated_cache(impl, llm, kv_heads, dtype):
 
 def test_bytes_per_token_of_the_real_model(impl, llm):
     c = llm.config
-    assert impl.kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32) == c.kv_bytes_per_token
+    expected = c.kv_bytes_per_token(torch.float32)  # the engine's formula
+    assert impl.kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32) == expected == 46080
 
 
 # ----------------------------------------------------------------- the cache itself
