@@ -67,6 +67,7 @@ def test_bad_engine_arguments():
         LLM("smollm2-135m", device="toaster")
 
 
+@pytest.mark.slow
 def test_max_model_len_bounds_generation():
     small = LLM("smollm2-135m", dtype="float32", device="cpu", max_model_len=12)
     out = small.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),

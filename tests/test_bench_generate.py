@@ -169,6 +169,7 @@ def test_best_of_keeps_the_fastest():
     assert (best.tpot_s, best.ttft_s) == (0.02, 0.1)
 
 
+@pytest.mark.slow
 def test_run_benchmark_table_and_docs_section(tmp_path):
     result = bm.run_generate_benchmark(random_weights="tiny", dtypes=["float32"], batch_sizes=[1, 2], max_tokens=3,
                                        prompt_len=4, repeats=1, floor_steps=2, progress=False, bandwidth_mb=8)
@@ -195,6 +196,7 @@ def test_run_benchmark_table_and_docs_section(tmp_path):
     assert "intro kept" in text and "--y" in text and "--x" not in text
 
 
+@pytest.mark.slow
 def test_cli_bench_writes_json_and_markdown(tmp_path, capsys):
     out = tmp_path / "r.json"
     md = tmp_path / "r.md"
@@ -244,6 +246,7 @@ def check_demo_output(out: str, prompt: str, answer: str, num_prompt_tokens: int
     assert tokens_per_s * tpot_ms / 1000 == pytest.approx(1, abs=0.05 / tpot_ms + 0.05 / tokens_per_s)
 
 
+@pytest.mark.slow
 def test_cli_demo_streams_and_prints_timings(random_tiny_dir, tiny_llm):
     proc = subprocess.run([sys.executable, "-m", "minfer", "demo", "--model", random_tiny_dir, "--prompt", "t5 t6 t7",
                            "--max-tokens", "4", "--device", "cpu"], cwd=REPO, capture_output=True, text=True,
@@ -267,6 +270,7 @@ def test_cli_bad_model_is_an_error_message(capsys):
     assert "unknown model" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
 def test_gpu_check_script_runs_on_cpu_with_tiny_shapes(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable, DEVICE="cpu", SHAPES="tiny",

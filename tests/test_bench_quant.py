@@ -37,6 +37,7 @@ def test_scrambled_model_gives_the_same_logits(tmp_path, tiny_checkpoint, model_
     assert not torch.equal(before[name], after[name])  # the weights did move
 
 
+@pytest.mark.slow
 def test_quick_run_on_a_tiny_model(tiny_dir, monkeypatch, tmp_path):
     monkeypatch.setattr(qb, "KV_CACHE_BYTES", 2**23)
     logs = []

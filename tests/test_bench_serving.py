@@ -79,6 +79,7 @@ def test_kv_waste_against_hand_computed_numbers():
     assert rows["paged bl"]["waste"] == pytest.approx(1 - 71 / 96)
 
 
+@pytest.mark.slow
 def test_run_minfer_counts_and_kv(tiny_llm):
     work = sb.make_workload(tiny_llm.tokenizer, 6, (4, 40), (2, 20), seed=3)
     cont = sb.run_minfer(tiny_llm, work, "continuous", max_num_seqs=4)
@@ -99,6 +100,7 @@ def test_run_minfer_counts_and_kv(tiny_llm):
     assert seq["output_tokens"] == work[0].max_tokens + work[1].max_tokens
 
 
+@pytest.mark.slow
 def test_prefix_cases(tiny_llm):
     prompts = sb.prefix_scenarios(tiny_llm.tokenizer, num_requests=3, system_tokens=48, passage_tokens=16, num_passages=3)
     assert all(p[:48] == prompts["shared first"][0][:48] for p in prompts["shared first"])
@@ -124,6 +126,7 @@ def test_update_docs_section_keeps_other_sections(tmp_path):
     assert text.count(sb.DOCS_START) == 1 and text.count("why") == 1
 
 
+@pytest.mark.slow
 def test_quick_cli_end_to_end(tiny_dir, tmp_path):
     spec = importlib.util.spec_from_file_location("bench_serving", REPO / "benchmarks" / "bench_serving.py")
     bench = importlib.util.module_from_spec(spec)

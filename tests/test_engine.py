@@ -2,7 +2,6 @@
 import random
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,6 +25,7 @@ def ids(outputs):
     return [o.outputs[0].token_ids for o in outputs]
 
 
+@pytest.mark.slow
 def test_continuous_batching_with_preemption_equals_solo(tiny_4k_dir):
     """48 requests, prompts 1-600 tokens, outputs 1-300, a pool that forces preemption."""
     prompts, params = workload(48, 600, 300)
@@ -40,6 +40,7 @@ def test_continuous_batching_with_preemption_equals_solo(tiny_4k_dir):
     assert tight.engine.blocks.num_free_blocks == 80  # every block came back
 
 
+@pytest.mark.slow
 def test_real_model_continuous_equals_static_and_solo(llm):
     prompts = ["The capital of France is", "Write a haiku about autumn leaves.", "1, 2, 3, 4,", "def add(a, b):",
                "A long time ago in a galaxy far, far away, there lived"]
@@ -136,12 +137,10 @@ def test_random_arrivals_and_aborts_keep_the_pool_consistent(tiny_4k_dir, data):
 
 
 def test_pool_sized_from_a_memory_budget(tiny_4k_dir):
-    from minfer.engine.paged_kv import KVPool
-
     llm = tiny_llm(tiny_4k_dir, kv_cache_memory_bytes=10 * 2**20, block_size=8)
-    per_block = KVPool.bytes_per_block(llm.config, 8, torch.float32)
+    per_block = 8 * 2 * 2 * 2 * 16 * 4  # 8 tokens x K and V x 2 layers x 2 KV heads x head_dim 16 x float32
     assert llm.engine.blocks.num_blocks == 10 * 2**20 // per_block
-    assert llm.engine.pool.nbytes == llm.engine.blocks.num_blocks * per_block
+    assert llm.engine.runner.pool.nbytes == llm.engine.blocks.num_blocks * per_block
     with pytest.raises(ValueError, match="smaller than one block"):
         tiny_llm(tiny_4k_dir, kv_cache_memory_bytes=per_block - 1, block_size=8)
 

@@ -54,6 +54,7 @@ def test_perplexity_equals_exp_mean_nll_of_the_model(llm):
     assert perplexity(llm, **SMALL) == pytest.approx(math.exp(sum(expected) / len(expected)), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_perplexity_matches_transformers(llm, hf_reference_model):
     ids = eval_tokens(llm.tokenizer, 96)
     with torch.no_grad():
@@ -63,6 +64,7 @@ def test_perplexity_matches_transformers(llm, hf_reference_model):
     assert token_nlls(llm, num_tokens=96, window=96, stride=96) == pytest.approx(expected, abs=1e-3)
 
 
+@pytest.mark.slow
 def test_greedy_agreement(llm):
     prompts = EVAL_PROMPTS[:4]
     reference = greedy_reference(llm, prompts, max_tokens=8)

@@ -41,6 +41,7 @@ def test_every_stub_raises_and_has_a_solution(chapter):
             stub(*args)
 
 
+@pytest.mark.slow
 def test_every_exercise_test_fails_on_the_stubs():
     collected = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests/exercises"],

@@ -1,6 +1,7 @@
 """Generation behaviour: batching, cache, seeds, stop conditions, streaming, chat."""
 import time
 
+import pytest
 import torch
 
 from minfer import SamplingParams
@@ -12,6 +13,7 @@ def token_ids(outputs):
     return [o.outputs[0].token_ids for o in outputs]
 
 
+@pytest.mark.slow
 def test_batched_equals_solo(llm):
     params = SamplingParams(temperature=0, max_tokens=24)
     batched = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -19,12 +21,14 @@ def test_batched_equals_solo(llm):
     assert token_ids(batched) == token_ids(solo)
 
 
+@pytest.mark.slow
 def test_cache_and_no_cache_agree(llm):
     params = SamplingParams(temperature=0, max_tokens=16)
     assert token_ids(llm.generate(PROMPTS[:2], params, use_tqdm=False)) == \
         token_ids(llm.generate(PROMPTS[:2], params, use_tqdm=False, use_cache=False))
 
 
+@pytest.mark.slow
 def test_seed_gives_the_same_sample_whatever_the_batch(llm):
     seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=20)
     alone = llm.generate(PROMPTS[1], seeded, use_tqdm=False)[0]
@@ -113,6 +117,7 @@ def test_small_batches_give_the_same_result(llm):
     assert token_ids(big) == token_ids(small)
 
 
+@pytest.mark.slow
 def test_bfloat16_model_generates_sensible_text():
     from minfer import LLM
 

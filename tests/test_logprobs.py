@@ -122,6 +122,7 @@ def test_n_completions_share_one_prompt_logprobs(llm):
     assert [len(c.logprobs) for c in out.outputs] == [3, 3]
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_survive_preemption(tiny_checkpoint):
     """A tight pool preempts requests mid-prefill: no position is scored twice or skipped."""
     folder = tiny_checkpoint(max_position_embeddings=1024)

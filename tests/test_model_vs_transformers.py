@@ -17,6 +17,7 @@ PROMPTS = [
 ]
 
 
+@pytest.mark.slow
 def test_logits_match_transformers(llm, hf_reference_model):
     for prompt in PROMPTS:
         ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
@@ -29,6 +30,7 @@ def test_logits_match_transformers(llm, hf_reference_model):
         assert (ours - theirs).abs().max().item() <= 1e-4, prompt
 
 
+@pytest.mark.slow
 def test_greedy_tokens_match_transformers_generate(llm, hf_reference_model):
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
     for prompt, out in zip(PROMPTS, outputs):
@@ -40,6 +42,7 @@ def test_greedy_tokens_match_transformers_generate(llm, hf_reference_model):
     assert sum(len(o.outputs[0].token_ids) == 64 for o in outputs) >= 5
 
 
+@pytest.mark.slow
 def test_gguf_loader_matches_transformers_gguf_reader():
     """Our dequantize + un-permute of q/k equals what transformers makes of the same GGUF file."""
     from transformers import AutoModelForCausalLM

@@ -155,6 +155,7 @@ KERNEL_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_triton_kernels_match_reference_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", KERNEL_SCRIPT], env=env, capture_output=True, text=True,

@@ -148,6 +148,7 @@ def exact_joint(model, prompt, top_k, length):
     return joint
 
 
+@pytest.mark.slow
 def test_sampled_speculation_matches_the_target_distribution(tiny_small_vocab_dir):
     """Temperature 1, top-k 3, a draft that differs from the target: the empirical law of the
     first three output tokens (one from the prefill, two from a verification pass with 2 drafts)
