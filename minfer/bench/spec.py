@@ -8,7 +8,8 @@ tokens when each draft token is accepted with probability alpha, independently. 
 
 which assumes that scoring k+1 positions costs the same as scoring one (true while a step is
 bound by reading the weights; `forward_cost` measures how true it is here). The benchmark
-(benchmarks/bench_speculative.py) and notebook 07 both time with these helpers.
+(benchmarks/bench_speculative.py) and notebook 07 time with these helpers; `cost_ratio` also gives
+the router's c (benchmarks/bench_router.py, notebook 08).
 """
 from __future__ import annotations
 
