@@ -23,6 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# Compiling 204 kernels takes ~20 s with a warm Triton cache and ~100 s without (2 cores).
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "kernel_resources.py"
 ARCHS = (80, 90)
