@@ -88,7 +88,7 @@ class EngineConfig:
     enable_prefix_caching.
 
     Speculative decoding: speculative_model ('[ngram]', a model name or path with the target's
-    tokenizer, a shipped draft such as 'smollm2-135m-draft', or a LlamaModel) with
+    tokenizer, a shipped draft such as 'smollm2-135m-draft', a LlamaModel, or a `minfer.spec.Proposer`) with
     num_speculative_tokens (1-16), both or neither.
 
     enforce_eager: True runs every step eagerly; False compiles the decode step (see
@@ -153,8 +153,8 @@ class EngineConfig:
                              f"speculative_model='[ngram]', num_speculative_tokens=4) or neither, got {model!r} and {k!r}")
         if model is None:
             return
-        if not isinstance(model, (str, os.PathLike, torch.nn.Module)):
-            raise ValueError("speculative_model must be '[ngram]', a model name or path, or a LlamaModel, "
+        if not (isinstance(model, (str, os.PathLike, torch.nn.Module)) or hasattr(model, "propose")):
+            raise ValueError("speculative_model must be '[ngram]', a model name or path, a LlamaModel or a Proposer, "
                              f"got {type(model).__name__}")
         if not _is_positive_int(k) or k > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")

@@ -25,7 +25,6 @@ from minfer.quant.awq import calibration_token_ids
 from minfer.quant.linear import quantize_model
 from minfer.sampling_params import SamplingParams
 from minfer.sequence import Request, Sequence
-from minfer.spec import make_proposer
 
 PromptType = Union[str, dict]
 
@@ -67,9 +66,7 @@ class LLM:
             quantize_model(self.model, config.quantization, config.quantization_group_size,
                            calibration_token_ids=calibration)
         self.set_attention(attention)
-        proposer = make_proposer(config.speculative_model, self.model, self.tokenizer, config.max_model_len,
-                                 config.dtype, config.device)
-        self.engine = Engine(self.model, self.tokenizer, config, proposer=proposer)
+        self.engine = Engine(self.model, self.tokenizer, config)  # it makes the draft proposer, if any
         self._seed_stream = torch.Generator().manual_seed(config.seed)
         self._request_counter = 0
 

@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent("""
     for use_kernels in (False, True):
         llm = LLM(folder, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=24,
                   num_gpu_blocks_override=40, kv_cache_dtype=sys.argv[1])
-        llm.engine.use_kernels = use_kernels
+        llm.engine.runner.use_kernels = use_kernels
         results[use_kernels] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         # one request alone: steps of a single decode token (K and V then differ in a size-1 stride)
         results[use_kernels].append(llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),

@@ -1,10 +1,13 @@
 """Generation behaviour: batching, cache, seeds, stop conditions, streaming, chat."""
+import copy
+import dataclasses
 import time
 
 import pytest
 import torch
 
 from minfer import SamplingParams
+from minfer.engine.engine import Engine
 
 PROMPTS = ["The capital of France is", "Write a haiku about autumn leaves.", "1, 2, 3, 4,", "def add(a, b):"]
 
@@ -109,12 +112,11 @@ def test_token_id_prompts_and_request_fields(llm):
 def test_small_batches_give_the_same_result(llm):
     params = SamplingParams(temperature=0, max_tokens=10)
     big = llm.generate(PROMPTS, params, use_tqdm=False)
-    llm.max_num_seqs = 2
-    try:
-        small = llm.generate(PROMPTS, params, use_tqdm=False)
-    finally:
-        llm.max_num_seqs = 32
-    assert token_ids(big) == token_ids(small)
+    small = copy.copy(llm)  # the same model behind an engine that runs at most two sequences per step
+    small.engine = Engine(llm.model, llm.tokenizer, dataclasses.replace(llm.engine.config, max_num_seqs=2,
+                                                                         num_gpu_blocks_override=64))
+    assert token_ids(big) == token_ids(small.generate(PROMPTS, params, use_tqdm=False))
+    assert token_ids(big) == token_ids(small.generate(PROMPTS, params, use_tqdm=False, batching="static"))
 
 
 @pytest.mark.slow

@@ -59,8 +59,8 @@ def test_pool_bytes_count_the_scales(llm):
     for dtype, kv_cache_dtype in [(torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.float32, "int8"),
                                   (torch.bfloat16, "int8")]:
         pool = KVPool(config, 3, 16, dtype, "cpu", kv_cache_dtype)
-        assert pool.nbytes == 3 * KVPool.bytes_per_block(config, 16, dtype, kv_cache_dtype)
-    per_token_head = {name: KVPool.bytes_per_block(config, 1, dtype, kind) / (2 * config.num_layers * config.num_kv_heads)
+        assert pool.nbytes == 3 * 16 * config.kv_bytes_per_token(dtype, kv_cache_dtype)
+    per_token_head = {name: config.kv_bytes_per_token(dtype, kind) / (2 * config.num_layers * config.num_kv_heads)
                       for name, dtype, kind in [("fp32", torch.float32, "auto"), ("bf16", torch.bfloat16, "auto"),
                                                 ("int8", torch.float32, "int8")]}
     assert per_token_head == {"fp32": 4 * 64, "bf16": 2 * 64, "int8": 64 + 4}
@@ -76,7 +76,7 @@ def test_memory_budget_holds_more_int8_blocks(tmp_path):
     llms = {(dtype, kind): LLM(folder, dtype=dtype, device="cpu", kv_cache_memory_bytes=2**22, kv_cache_dtype=kind)
             for dtype, kind in [("float32", "auto"), ("bfloat16", "auto"), ("float32", "int8")]}
     blocks = {key: model.engine.blocks.num_blocks for key, model in llms.items()}
-    assert all(model.engine.pool.nbytes <= 2**22 for model in llms.values())
+    assert all(model.engine.runner.pool.nbytes <= 2**22 for model in llms.values())
     d = llms["float32", "int8"].config.head_dim  # 16 here: the scale's 4 bytes weigh more than at SmolLM2's 64
     assert blocks["float32", "int8"] / blocks["float32", "auto"] == pytest.approx(4 * d / (d + 4), rel=0.01)
     assert blocks["float32", "int8"] / blocks["bfloat16", "auto"] == pytest.approx(2 * d / (d + 4), rel=0.01)
@@ -108,9 +108,8 @@ def test_static_loop_refuses_int8(tmp_path):
 def llm_int8(llm):
     """The session model's weights behind an engine with an int8 KV pool (a shallow copy of `llm`)."""
     other = copy.copy(llm)
-    other.kv_cache_dtype = "int8"
-    other.engine = Engine(llm.model, llm.tokenizer, llm.eos_token_ids, num_blocks=96, block_size=16, max_num_seqs=8,
-                          kv_cache_dtype="int8")
+    other.engine = Engine(llm.model, llm.tokenizer, device="cpu", dtype=llm.dtype, num_gpu_blocks_override=96,
+                          block_size=16, max_num_seqs=8, kv_cache_dtype="int8")
     return other
 
 

@@ -34,8 +34,8 @@ def perturb(model, scale: float, noise: float, seed: int) -> None:
 
 def run_engine(llm, prompts, params, proposer=None, k=0, num_blocks=512, block_size=16, **kwargs):
     """Run requests through a fresh engine around llm's model; check the blocks all come back."""
-    engine = Engine(llm.model, llm.tokenizer, llm.eos_token_ids, num_blocks, block_size, proposer=proposer,
-                    num_speculative_tokens=k, **kwargs)
+    engine = Engine(llm.model, llm.tokenizer, device="cpu", num_gpu_blocks_override=num_blocks, block_size=block_size,
+                    speculative_model=proposer, num_speculative_tokens=k if proposer else None, **kwargs)
     requests = llm._make_requests(prompts, params)
     for request in requests:
         engine.add_request(request)

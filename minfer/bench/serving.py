@@ -21,6 +21,7 @@ queueing); TPOT is (last token time - first token time) / (tokens - 1) of each r
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import os
@@ -175,16 +176,14 @@ def fresh_engine(llm, max_num_seqs: Optional[int] = None, enable_prefix_caching:
     """Give `llm` a new serving engine (empty prefix cache, zeroed stats) with the same pool and budgets."""
     from minfer.engine.engine import Engine
 
-    old = llm.engine
-    max_num_seqs = max_num_seqs or old.scheduler.max_num_seqs
-    caching = old.blocks.enable_prefix_caching if enable_prefix_caching is None else enable_prefix_caching
-    args = (old.blocks.num_blocks, old.blocks.block_size, max_num_seqs, old.scheduler.max_num_batched_tokens,
-            caching, old.scheduler.enable_chunked_prefill)
-    llm.engine = None
-    del old
+    old = llm.engine.config
+    config = dataclasses.replace(old, num_gpu_blocks_override=llm.engine.blocks.num_blocks,
+                                 max_num_seqs=max_num_seqs or old.max_num_seqs,
+                                 enable_prefix_caching=(old.enable_prefix_caching if enable_prefix_caching is None
+                                                        else enable_prefix_caching))
+    llm.engine = None  # free the old pool before the new one is allocated
     gc.collect()
-    llm.engine = Engine(llm.model, llm.tokenizer, llm.eos_token_ids, *args)
-    llm.max_num_seqs = max_num_seqs
+    llm.engine = Engine(llm.model, llm.tokenizer, config)
     return llm.engine
 
 

@@ -37,7 +37,7 @@ from minfer.logprobs import logprobs_of
 from minfer.models.llama import LlamaModel
 from minfer.outputs import RequestOutput
 from minfer.sequence import Request, Sequence
-from minfer.spec import Proposer, SpecDecodeStats, verify
+from minfer.spec import Proposer, SpecDecodeStats, make_proposer, verify
 
 
 @dataclass
@@ -49,11 +49,11 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: LlamaModel, tokenizer, config: Optional[EngineConfig] = None, *,
-                 proposer: Optional[Proposer] = None, use_kernels: Optional[bool] = None, **engine_args) -> None:
+                 use_kernels: Optional[bool] = None, **engine_args) -> None:
         """config: an EngineConfig, or its fields as keywords (vLLM's names; see `minfer.config`).
-        proposer: speculative decoding (see minfer/spec): every decoding sequence gets up to
-        config.num_speculative_tokens draft tokens, verified in the same pass as its last token.
-        use_kernels: see `ModelRunner` (None: the Triton kernels on CUDA)."""
+        With config.speculative_model (a name, a model, or a `Proposer` of your own), every decoding
+        sequence gets up to config.num_speculative_tokens draft tokens, verified in the same pass as
+        its last token (see minfer/spec). use_kernels: see `ModelRunner` (None: the Triton kernels on CUDA)."""
         if config is not None and engine_args:
             raise TypeError(f"give an EngineConfig or keywords, not both (got {sorted(engine_args)})")
         config = config or EngineConfig.from_kwargs("Engine()", **engine_args)
@@ -66,8 +66,9 @@ class Engine:
                                    config.enable_chunked_prefill)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
-        self.proposer = proposer
-        self.num_speculative_tokens = (config.num_speculative_tokens or 0) if proposer is not None else 0
+        self.proposer: Optional[Proposer] = make_proposer(config.speculative_model, model, tokenizer,
+                                                          config.max_model_len, config.dtype, config.device)
+        self.num_speculative_tokens = config.num_speculative_tokens or 0
         self.spec_stats = SpecDecodeStats()
 
     # ---------------------------------------------------------------- requests

@@ -105,8 +105,9 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- one step
     def prepare(self, batch: list[tuple[Sequence, int]]) -> PreparedStep:
-        """Pack the scheduled (sequence, new tokens) pairs: prefill chunks first, then decodes."""
-        batch = sorted(batch, key=lambda item: item[1] == 1)  # stable: decodes last, served together
+        """Pack the scheduled (sequence, new tokens) pairs: prefill chunks first, then decodes by
+        increasing context length (the gather path serves decodes of similar lengths together)."""
+        batch = sorted(batch, key=lambda item: (item[1] == 1, item[0].num_computed if item[1] == 1 else 0))
         input_ids, positions, slices, sample_at, sampled = [], [], [], [], []
         score_at, scored = [], []  # prompt positions whose logits score the next prompt token (prompt_logprobs)
         for seq, count in batch:

@@ -1,12 +1,18 @@
 """The paged KV cache as the model sees it during one engine step.
 
-`KVPool` holds the memory: per layer a K pool and a V pool of shape
-[num_blocks, block_size, num_kv_heads, head_dim]. Token t of a sequence lives in block
-`block_table[t // block_size]` at offset `t % block_size`; its flat *slot* is
-block * block_size + offset. The pools hold the model's dtype (kv_cache_dtype "auto") or int8
-("int8"): then a float32 scale per (token, KV head) sits beside them, [num_blocks, block_size,
-num_kv_heads] per layer, tokens are quantized as they are stored and dequantized as they are read
+`KVPool` holds the memory: per layer a K pool and a V pool cut into blocks of `block_size`
+tokens. Token t of a sequence lives in block `block_table[t // block_size]` at offset
+`t % block_size`; its flat *slot* is block * block_size + offset. The pools hold the model's dtype
+(kv_cache_dtype "auto") or int8 ("int8"): then a float32 scale per (token, KV head) sits beside
+them, tokens are quantized as they are stored and dequantized as they are read
 (`minfer/formats/kv.py`), and the same memory holds about twice as many tokens as bfloat16.
+
+In memory the pools are heads-first, [layers, kv_heads, num_blocks, block_size, head_dim], so one
+KV head's tokens of a block are one contiguous run. Every reader sees a layer's pool as
+[num_blocks, block_size, kv_heads, head_dim] (`layer`), a view whose strides the Triton kernels
+take as they come; copying a sequence's blocks out (`gather_blocks`) then gives each
+(head, sequence) pair one contiguous row, which is what a CPU matmul wants. The scale pools stay
+[layers, num_blocks, block_size, kv_heads]: the kernels read a token's scales side by side.
 
 `PagedStep` describes one step's batch: the new tokens of every scheduled sequence packed
 into one row (prefill chunks first, then one token per decoding sequence), where each
@@ -14,10 +20,11 @@ sequence's tokens go (slot mapping), and what each sequence may look at (its blo
 context length). The model hands every layer's q, k, v to `PagedStep.attend`, which stores the
 new k, v in their slots and runs attention over each sequence's whole context.
 
-On CPU, attention gathers each sequence's K/V out of the pool into a contiguous tensor and calls
+On CPU, attention copies each sequence's blocks out of the pool into a reused buffer and calls
 the model's attention function (the same contract as the contiguous cache: mask None means causal
-with the queries last). Decoding sequences are gathered together and served in one call. On CUDA
-the Triton kernels of `minfer.kernels` read the pool through the block tables instead.
+with the queries last). Decoding sequences come sorted by context length and are served a few
+at a time (`decode_buckets`): one call per group of similar lengths pads less than one call for
+all. On CUDA the Triton kernels of `minfer.kernels` read the pool through the block tables instead.
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ import torch
 
 from minfer.config import KV_CACHE_DTYPES, ModelConfig
 from minfer.formats.kv import dequantize_kv, quantize_kv
-from minfer.kernels.paged_cache import slots_for_positions
+from minfer.kernels.paged_cache import gather_blocks, slots_for_positions
 from minfer.layers.attention import AttentionFn
 
 
@@ -37,24 +44,26 @@ class KVPool:
                  device: torch.device | str, kv_cache_dtype: str = "auto") -> None:
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.quantized = kv_cache_dtype == "int8"
         self.dtype = dtype  # the model's: what reads return
+        self.block_size, self.num_blocks = block_size, num_blocks
+        shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim)  # heads-first
         self.k = torch.zeros(shape, dtype=torch.int8 if self.quantized else dtype, device=device)
         self.v = torch.zeros_like(self.k)
         # int8 only: one float32 scale per (layer, block, offset, KV head)
-        self.k_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device) if self.quantized else None
+        scale_shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads)
+        self.k_scale = torch.zeros(scale_shape, dtype=torch.float32, device=device) if self.quantized else None
         self.v_scale = torch.zeros_like(self.k_scale) if self.quantized else None
-        self.block_size = block_size
-
-    @property
-    def num_blocks(self) -> int:
-        return self.k.shape[1]
+        self._workspace = torch.empty(0, dtype=self.k.dtype, device=device)  # reused by `gather`
 
     @property
     def nbytes(self) -> int:
         scales = self.k_scale.nbytes + self.v_scale.nbytes if self.quantized else 0
         return self.k.nbytes + self.v.nbytes + scales
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V pools as every reader sees them: [num_blocks, block_size, kv_heads, head_dim] views."""
+        return self.k[layer].movedim(0, 2), self.v[layer].movedim(0, 2)
 
     def scales(self, layer: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """The layer's K and V scale pools (None, None unless int8)."""
@@ -62,21 +71,28 @@ class KVPool:
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Write k, v [tokens, kv_heads, head_dim] at their slots (quantizing them for an int8 pool)."""
-        if not self.quantized:
-            self.k[layer].view(-1, *k.shape[1:])[slots] = k
-            self.v[layer].view(-1, *v.shape[1:])[slots] = v
-            return
         for pool, scales, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            values, scale = quantize_kv(new)  # int8 [tokens, kv_heads, head_dim], float32 [tokens, kv_heads]
-            pool[layer].view(-1, *new.shape[1:])[slots] = values
-            scales[layer].view(-1, new.shape[1])[slots] = scale
+            if scales is not None:
+                new, scale = quantize_kv(new)  # int8 [tokens, kv_heads, head_dim], float32 [tokens, kv_heads]
+                scales[layer].view(-1, new.shape[1])[slots] = scale
+            pool[layer].view(new.shape[1], -1, new.shape[2])[:, slots] = new.transpose(0, 1)
 
     def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of whole blocks, [seqs, kv_heads, blocks * block_size, head_dim], in the model's dtype."""
-        keys, values = gather(self.k[layer], tables), gather(self.v[layer], tables)
+        """Keys and values of whole blocks, [seqs, kv_heads, blocks * block_size, head_dim], in the model's dtype.
+
+        They are views of a buffer the next call overwrites: use them before gathering again."""
+        k_pool, v_pool = self.layer(layer)
+        _, block_size, kv_heads, head_dim = k_pool.shape
+        shape = (kv_heads, tables.numel(), block_size, head_dim)
+        numel = kv_heads * tables.numel() * block_size * head_dim
+        if self._workspace.numel() < 2 * numel:  # grows to the largest step seen, then stays
+            self._workspace = torch.empty(2 * numel, dtype=self.k.dtype, device=self.k.device)
+        keys = gather_blocks(k_pool, tables, out=self._workspace[:numel].view(shape))
+        values = gather_blocks(v_pool, tables, out=self._workspace[numel:2 * numel].view(shape))
         if self.quantized:
-            keys = dequantize_kv(keys, gather(self.k_scale[layer], tables), self.dtype)
-            values = dequantize_kv(values, gather(self.v_scale[layer], tables), self.dtype)
+            k_scales, v_scales = self.scales(layer)
+            keys = dequantize_kv(keys, gather_blocks(k_scales, tables), self.dtype)
+            values = dequantize_kv(values, gather_blocks(v_scales, tables), self.dtype)
         return keys, values
 
 
@@ -90,11 +106,22 @@ class SequenceSlice:
     block_table: list[int]
 
 
+@dataclass
+class DecodeBucket:
+    """Decoding sequences of similar context length, attended in one call."""
+
+    start: int  # their queries' rows in the packed step: [start, end)
+    end: int
+    tables: torch.Tensor  # int32 [seqs, widest table in the bucket]
+    mask: torch.Tensor  # bool [seqs, 1, 1, width * block_size]: True where a key is within the sequence
+
+
 class PagedStep:
     def __init__(self, pool: KVPool, slices: list[SequenceSlice], positions: torch.Tensor,
                  use_kernels: bool = False) -> None:
-        """slices: the scheduled sequences, prefills first, then decodes (one query each); positions:
-        the packed tokens' positions (a CPU tensor), from which each token's KV slot follows."""
+        """slices: the scheduled sequences, prefills first, then decodes (one query each, by
+        increasing context length on the gather path); positions: the packed tokens' positions (a
+        CPU tensor), from which each token's KV slot follows."""
         self.pool, self.slices, self.use_kernels = pool, slices, use_kernels
         self.prefills = [s for s in slices if s.query_len > 1]
         self.decodes = [s for s in slices if s.query_len == 1]
@@ -103,20 +130,19 @@ class PagedStep:
         tables = block_tables(slices)
         token_rows = tables.repeat_interleave(torch.tensor([s.query_len for s in slices]), dim=0)
         self.slot_mapping = slots_for_positions(token_rows, positions, pool.block_size).to(device)
-        if self.decodes:  # decodes are packed after the prefills: one gather (or one kernel) serves them all
-            width = max(len(s.block_table) for s in self.decodes)
-            self.decode_tables = tables[len(self.prefills):, :width].to(device)
-            self.decode_lens = torch.tensor([s.context_len for s in self.decodes], dtype=torch.int32, device=device)
-            if not use_kernels:  # the gather path pads every decode to the longest table: mask the padding
-                kv_positions = torch.arange(width * pool.block_size, device=device)
-                self.decode_mask = (kv_positions[None] < self.decode_lens[:, None])[:, None, None, :]  # [seqs, 1, 1, kv]
-        if not use_kernels:  # the gather path's per-prefill block tables, built once per step, not once per layer
-            self.prefill_rows = [tables[i:i + 1, :len(s.block_table)].to(device) for i, s in enumerate(self.prefills)]
-        elif self.prefills:
-            self.prefill_tables = tables[:len(self.prefills)].to(device)
-            self.prefill_lens = torch.tensor([s.context_len for s in self.prefills], dtype=torch.int32, device=device)
-            starts = [s.query_start for s in self.prefills] + [self.decode_start]
-            self.prefill_cu_seqlens = torch.tensor(starts, dtype=torch.int32, device=device)
+        if use_kernels:  # one kernel call for all prefills, one for all decodes
+            split = len(self.prefills)
+            if self.prefills:
+                self.prefill_tables = tables[:split].to(device)
+                self.prefill_lens = torch.tensor([s.context_len for s in self.prefills], dtype=torch.int32, device=device)
+                starts = [s.query_start for s in self.prefills] + [self.decode_start]
+                self.prefill_cu_seqlens = torch.tensor(starts, dtype=torch.int32, device=device)
+            if self.decodes:
+                self.decode_tables = tables[split:].to(device)
+                self.decode_lens = torch.tensor([s.context_len for s in self.decodes], dtype=torch.int32, device=device)
+        else:  # the gather path: tables built once per step, not once per layer
+            self.prefill_tables = [tables[i:i + 1, :len(s.block_table)].to(device) for i, s in enumerate(self.prefills)]
+            self.decode_buckets = [decode_bucket(group, pool.block_size, device) for group in split_by_length(self.decodes)]
 
     def advance(self, num_tokens: int) -> None:
         """Nothing to do: positions and lengths come from the scheduler for every step."""
@@ -130,16 +156,14 @@ class PagedStep:
             return self._attend_with_kernels(layer, q, k, v)
         self.pool.store(layer, k[0].transpose(0, 1), v[0].transpose(0, 1), self.slot_mapping)
         out = torch.empty_like(q)
-        for s, table in zip(self.prefills, self.prefill_rows):
+        for s, table in zip(self.prefills, self.prefill_tables):
             keys, values = self.pool.gather(layer, table)
-            keys, values = keys[:, :, :s.context_len], values[:, :, :s.context_len]
-            query = q[:, :, s.query_start:s.query_start + s.query_len]
-            out[:, :, s.query_start:s.query_start + s.query_len] = attention_fn(query, keys, values, None)
-        if self.decodes:
-            keys, values = self.pool.gather(layer, self.decode_tables)
-            query = q[0, :, self.decode_start:].transpose(0, 1).unsqueeze(2)  # [seqs, heads, 1, dim]
-            result = attention_fn(query, keys, values, self.decode_mask)
-            out[0, :, self.decode_start:] = result.squeeze(2).transpose(0, 1)
+            rows = slice(s.query_start, s.query_start + s.query_len)
+            out[:, :, rows] = attention_fn(q[:, :, rows], keys[:, :, :s.context_len], values[:, :, :s.context_len], None)
+        for bucket in self.decode_buckets:
+            keys, values = self.pool.gather(layer, bucket.tables)
+            query = q[0, :, bucket.start:bucket.end].transpose(0, 1).unsqueeze(2)  # [seqs, heads, 1, dim]
+            out[0, :, bucket.start:bucket.end] = attention_fn(query, keys, values, bucket.mask).squeeze(2).transpose(0, 1)
         return out
 
     def _attend_with_kernels(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -149,7 +173,7 @@ class PagedStep:
         from minfer.kernels.paged_decode_attention import paged_decode_attention
         from minfer.kernels.paged_prefill_attention import paged_prefill_attention
 
-        k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
+        k_pool, v_pool = self.pool.layer(layer)
         k_scales, v_scales = self.pool.scales(layer)  # None unless the pools are int8
         write_kv(k_pool, v_pool, k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous(), self.slot_mapping,
                  k_scales, v_scales)
@@ -173,8 +197,17 @@ def block_tables(slices: list[SequenceSlice]) -> torch.Tensor:
     return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in slices], dtype=torch.int32)
 
 
-def gather(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """[seqs, blocks] block ids -> [seqs, kv_heads, blocks * block_size, head_dim] keys or values, copied out
-    (or [seqs, kv_heads, blocks * block_size] from a scale pool)."""
-    blocks = pool[tables.long()]  # [seqs, blocks, block_size, kv_heads(, head_dim)]
-    return blocks.flatten(1, 2).transpose(1, 2)
+def split_by_length(decodes: list[SequenceSlice], min_per_bucket: int = 8, max_buckets: int = 4) -> list[list[SequenceSlice]]:
+    """Cut decodes (sorted by context length) into up to max_buckets groups of equal count, each
+    of at least min_per_bucket sequences: padding to the longest in a group wastes less than
+    padding to the longest of all, and a few more calls cost little."""
+    count = max(1, min(max_buckets, len(decodes) // min_per_bucket))
+    bounds = [round(i * len(decodes) / count) for i in range(count + 1)]
+    return [decodes[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def decode_bucket(decodes: list[SequenceSlice], block_size: int, device: torch.device) -> DecodeBucket:
+    tables = block_tables(decodes).to(device)
+    lens = torch.tensor([s.context_len for s in decodes], device=device)
+    mask = (torch.arange(tables.shape[1] * block_size, device=device)[None] < lens[:, None])[:, None, None, :]
+    return DecodeBucket(decodes[0].query_start, decodes[-1].query_start + 1, tables, mask)

@@ -91,19 +91,35 @@ def slots_for_positions(block_table: torch.Tensor, positions: torch.Tensor, bloc
     return rows.gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size
 
 
+def gather_blocks(pool: torch.Tensor, block_tables: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Copy whole blocks out of a pool, in table order: the one way the PyTorch paths read a paged cache.
+
+    pool [num_blocks, block_size, num_kv_heads, *rest] (K/V: rest = [head_dim]; a scale pool: no
+    rest), block_tables [num_seqs, width] -> [num_seqs, num_kv_heads, width * block_size, *rest].
+    The blocks are selected along the pool's block axis with the heads first, so when the pool
+    lies heads-first in memory (``KVPool``'s layout) every (head, sequence) row is one contiguous
+    run of whole blocks, and the result is a view of one contiguous [num_kv_heads, num_seqs, ...]
+    tensor (``out``, if given: reuse it, a fresh large allocation costs more than the copy).
+    """
+    num_seqs, width = block_tables.shape
+    heads_first = pool.movedim(2, 0)  # [num_kv_heads, num_blocks, block_size, *rest]: a view
+    picked = torch.index_select(heads_first, 1, block_tables.reshape(-1).long(), out=out)
+    return picked.view(heads_first.shape[0], num_seqs, width * pool.shape[1], *pool.shape[3:]).transpose(0, 1)
+
+
 def gather_kv(pool: torch.Tensor, block_table: torch.Tensor, length: int,
               scales: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One sequence's first ``length`` tokens of a pool, in order: [length, num_kv_heads, head_dim].
 
-    The reference way to read a paged cache: compute every token's slot, then index. It copies
-    the whole context, which is exactly what the kernels avoid. With ``scales`` (an int8 pool's
-    scale pool) the tokens come back dequantized, in float32.
+    The reference way to read a paged cache, for the kernels' references: copy the sequence's
+    blocks out (``gather_blocks``), which is exactly what the kernels avoid. With ``scales`` (an
+    int8 pool's scale pool) the tokens come back dequantized, in float32.
     """
-    block_size = pool.shape[1]
-    slots = slots_for_positions(block_table, torch.arange(length, device=pool.device), block_size)
+    table = block_table[None, :-(-length // pool.shape[1])]  # the blocks it fills (the rest may be padding)
+    values = gather_blocks(pool, table)[0, :, :length].transpose(0, 1)
     if scales is None:
-        return pool.flatten(0, 1)[slots]
-    return dequantize_kv(pool.flatten(0, 1)[slots], scales.flatten(0, 1)[slots])
+        return values
+    return dequantize_kv(values, gather_blocks(scales, table)[0, :, :length].transpose(0, 1))
 
 
 def check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:

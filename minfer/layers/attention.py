@@ -58,16 +58,24 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
 
 
 def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """PyTorch's fused scaled_dot_product_attention (flash / memory-efficient kernels where available)."""
+    """The default backend: PyTorch's fused scaled_dot_product_attention for prompts, two batched
+    matmuls for decode."""
     batch, num_heads, q_len, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if q_len == 1:
-        # Decode: fold each KV head's group of query heads into the query axis, so one plain
-        # attention call per KV head serves the whole group (much faster on CPU than enable_gqa).
+        # Decode. Each KV head serves a group of query heads: fold the group into the query axis
+        # (no repeat_interleave of K/V), and batch over (kv_heads, sequences) in that order, the
+        # order the paged pool gathers K/V in, so the transposes below copy nothing. Scores in the
+        # model's dtype, softmax in float32, as transformers' eager attention does. On CPU this is
+        # about 2x faster than the fused kernel in bfloat16 for 32 sequences (and as fast in
+        # float32): the fused kernel is built for long blocks of queries, not one.
         # A new token may see every stored key, so only a padding mask [batch, 1, 1, kv] can apply.
-        grouped = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask)
-        return out.reshape(batch, num_heads, 1, head_dim)
+        grouped = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
+        scores = grouped @ k.transpose(0, 1).transpose(-1, -2) / math.sqrt(head_dim)  # [kv_heads, batch, group, kv]
+        if mask is not None:
+            scores = scores.masked_fill(~mask.transpose(0, 1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return (probs @ v.transpose(0, 1)).transpose(0, 1).reshape(batch, num_heads, 1, head_dim)
     if mask is None:
         kv_len = k.shape[2]
         if q_len == kv_len:

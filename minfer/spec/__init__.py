@@ -34,10 +34,10 @@ __all__ = ["Proposer", "Proposal", "NgramProposer", "DraftModelProposer", "SpecD
 
 def make_proposer(speculative_model, target: LlamaModel, tokenizer, max_model_len: int, dtype: torch.dtype,
                   device: torch.device) -> Optional[Proposer]:
-    """'[ngram]' -> NgramProposer; a LlamaModel, a model name/path, or a shipped draft name
+    """A Proposer -> itself; '[ngram]' -> NgramProposer; a LlamaModel, a model name/path, or a shipped draft name
     (minfer.spec.distill, e.g. 'smollm2-135m-draft') -> DraftModelProposer; None -> None."""
-    if speculative_model is None:
-        return None
+    if speculative_model is None or isinstance(speculative_model, Proposer):
+        return speculative_model
     if speculative_model == "[ngram]":
         return NgramProposer()
     if isinstance(speculative_model, LlamaModel):
