@@ -18,6 +18,7 @@ from minfer.config import EngineConfig
 from minfer.engine.engine import Engine
 from minfer.generate import generate_static_batch
 from minfer.layers.attention import AttentionFn, get_attention_fn
+from minfer.layers.linear import pack_linears
 from minfer.models.llama import LlamaModel
 from minfer.models.loader import DEFAULT_MODEL, load_model
 from minfer.outputs import RequestMetrics, RequestOutput
@@ -65,6 +66,8 @@ class LLM:
             calibration = calibration_token_ids(self.tokenizer) if config.quantization == "awq" else None
             quantize_model(self.model, config.quantization, config.quantization_group_size,
                            calibration_token_ids=calibration)
+        if config.device.type == "cpu":
+            pack_linears(self.model)  # oneDNN's layout, once: faster matmuls (minfer.layers.linear)
         self.set_attention(attention)
         self.engine = Engine(self.model, self.tokenizer, config)  # it makes the draft proposer, if any
         self._seed_stream = torch.Generator().manual_seed(config.seed)

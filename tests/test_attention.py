@@ -21,6 +21,21 @@ def test_sdpa_matches_reference(heads, kv_heads, q_len, kv_len, padded):
     torch.testing.assert_close(attention_sdpa(q, k, v, mask), attention_reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("batch", [1, 7, 8, 20])  # both sides of DECODE_MATMUL_MIN_BATCH
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decode_paths_match_reference_on_pool_ordered_views(batch, dtype, tolerance):
+    """One query per sequence, K/V as the paged pool gathers them: [kv_heads, batch, ...] in memory,
+    seen as [batch, kv_heads, ...]; each sequence sees its own number of keys."""
+    gen = torch.Generator().manual_seed(batch)
+    q = torch.randn(batch, 9, 1, 16, generator=gen).to(dtype)
+    k = torch.randn(3, batch, 40, 16, generator=gen).to(dtype).transpose(0, 1)
+    v = torch.randn(3, batch, 40, 16, generator=gen).to(dtype).transpose(0, 1)
+    lengths = torch.randint(1, 41, (batch,), generator=gen)
+    mask = (torch.arange(40)[None] < lengths[:, None])[:, None, None, :]
+    expected = attention_reference(q.float(), k.float(), v.float(), mask)
+    torch.testing.assert_close(attention_sdpa(q, k, v, mask).float(), expected, rtol=tolerance, atol=tolerance)
+
+
 def test_padding_query_rows_stay_finite():
     valid = torch.tensor([[False, False, True, True]])
     mask = attention_mask(valid, 4)

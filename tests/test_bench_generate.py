@@ -174,7 +174,7 @@ def test_run_benchmark_table_and_docs_section(tmp_path):
     result = bm.run_generate_benchmark(random_weights="tiny", dtypes=["float32"], batch_sizes=[1, 2], max_tokens=3,
                                        prompt_len=4, repeats=1, floor_steps=2, progress=False, bandwidth_mb=8)
     rows = {(r["engine"], r["batch_size"]): r for r in result["rows"]}
-    assert set(rows) == {(e, b) for e in ("minfer", "transformers", "matmul floor") for b in (1, 2)}
+    assert set(rows) == {(e, b) for e in ("minfer", "transformers", "matmul floor", "F.linear floor") for b in (1, 2)}
     assert result["weight_bytes_per_step"] == {"float32": 4 * tiny_params()}
     for b in (1, 2):
         (ratio,) = [e for e in result["ratios"] if e["batch_size"] == b]
@@ -205,7 +205,7 @@ def test_cli_bench_writes_json_and_markdown(tmp_path, capsys):
                "--json", str(out), "--markdown", str(md)])
     assert rc == 0
     result = json.loads(out.read_text())
-    assert {r["engine"] for r in result["rows"]} == {"minfer", "matmul floor"}
+    assert {r["engine"] for r in result["rows"]} == {"minfer", "matmul floor", "F.linear floor"}
     assert result["settings"]["max_tokens"] == 3 and result["rows"][0]["dtype"] == "bfloat16"
     assert md.read_text() in capsys.readouterr().out
 

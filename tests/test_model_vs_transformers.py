@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from minfer import SamplingParams
+from minfer.layers.linear import PackedLinear
+from minfer.models.llama import LlamaModel
 from minfer.models.loader import load_model, resolve_model_path
 
 PROMPTS = [
@@ -19,15 +21,21 @@ PROMPTS = [
 
 @pytest.mark.slow
 def test_logits_match_transformers(llm, hf_reference_model):
+    """The model as written (plain nn.Linear layers) within 1e-4; the LLM's CPU-packed matmuls
+    (minfer.layers.linear) sum in another order, within 1e-3."""
+    loaded = load_model("smollm2-135m", torch.float32)
+    plain = LlamaModel.from_weights(loaded.config, loaded.weights)
+    assert any(isinstance(m, PackedLinear) for m in llm.model.modules())
     for prompt in PROMPTS:
         ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
         input_ids = torch.tensor([ids])
         positions = torch.arange(len(ids))[None]
-        ours = llm.model(input_ids, positions, last_only=False)
+        ours, packed = plain(input_ids, positions, last_only=False), llm.model(input_ids, positions, last_only=False)
         with torch.no_grad():
             theirs = hf_reference_model(input_ids).logits
-        assert ours.shape == theirs.shape
+        assert ours.shape == theirs.shape == packed.shape
         assert (ours - theirs).abs().max().item() <= 1e-4, prompt
+        assert (packed - theirs).abs().max().item() <= 1e-3, prompt
 
 
 @pytest.mark.slow

@@ -48,9 +48,9 @@ from minfer.testing import MODEL_SHAPES, random_checkpoint
 TokenIds = list[int]
 DOCS_START = "<!-- bench_generate:start -->"
 DOCS_END = "<!-- bench_generate:end -->"
-# Targets from the engine's performance issue: batch-1 decode within 1.25x of the matmul floor,
+# Targets from the engine issues: batch-1 decode at least 0.85x the speed of the matmul floor,
 # and at least 1.3x the decode speed of transformers' generate in the same dtype.
-TARGET_FLOOR_FRACTION = 1 / 1.25
+TARGET_FLOOR_FRACTION = 0.85
 TARGET_VS_TRANSFORMERS = 1.3
 
 # --------------------------------------------------------------------------- results
@@ -103,13 +103,17 @@ def measure_memory_bandwidth(size_mb: int = 256, repeats: int = 5, device: Union
     return 2 * src.nbytes / best_time(lambda: dst.copy_(src), repeats, device)
 
 
-def decode_weights(model) -> list[torch.Tensor]:
-    """The weight matrices one decode step multiplies by, in order (as minfer's LlamaModel makes them)."""
-    weights = []
+def decode_linears(model) -> list[torch.nn.Module]:
+    """The linear layers one decode step runs, in order (as minfer's LlamaModel makes them)."""
+    linears = []
     for layer in model.layers:
-        weights += [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
-                    layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
-    return weights + [model.lm_head.weight]
+        linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    return linears + [model.lm_head]
+
+
+def decode_weights(model) -> list[torch.Tensor]:
+    """The weight matrices one decode step multiplies by, in order."""
+    return [linear.weight for linear in decode_linears(model)]
 
 
 def weight_bytes(model) -> int:
@@ -131,19 +135,26 @@ def weight_bytes(model) -> int:
 
 
 @torch.inference_mode()
-def matmul_floor(model, batch_size: int = 1, steps: int = 32, warmup: int = 3, repeats: int = 3) -> Timing:
-    """Time only the F.linear calls a decode step makes, on the model's own weights.
+def matmul_floor(model, batch_size: int = 1, steps: int = 32, warmup: int = 3, repeats: int = 3,
+                 plain: bool = False) -> Timing:
+    """Time only the matrix multiplications a decode step makes, on the model's own weights.
 
+    By default it calls the model's own linear layers (on CPU minfer's are prepacked for oneDNN,
+    `minfer.layers.linear`): nothing but the engine's overhead separates the engine from this.
+    plain=True calls F.linear on the weights instead, what an engine without prepacking runs.
     Returns a Timing whose TPOT is the best step time over `repeats` runs of `steps` steps: no
-    engine can decode faster than this without reading fewer bytes (an upper bound on tokens/s).
+    engine with these matmuls decodes faster without reading fewer bytes (an upper bound on tokens/s).
     """
-    weights = decode_weights(model)
-    device, dtype = weights[0].device, weights[0].dtype
-    inputs = {w.shape[1]: torch.randn(batch_size, 1, w.shape[1], dtype=dtype, device=device) for w in weights}
+    linears = decode_linears(model)
+    weight = linears[0].weight
+    device, dtype = weight.device, weight.dtype
+    inputs = {m.in_features: torch.randn(batch_size, 1, m.in_features, dtype=dtype, device=device) for m in linears}
+    calls = [(lambda x, w=m.weight: F.linear(x, w)) if plain else m for m in linears]
 
+    @torch.inference_mode()
     def step() -> None:
-        for w in weights:
-            F.linear(inputs[w.shape[1]], w)
+        for linear, call in zip(linears, calls):
+            call(inputs[linear.in_features])
 
     def run() -> None:
         for _ in range(steps):
@@ -152,7 +163,7 @@ def matmul_floor(model, batch_size: int = 1, steps: int = 32, warmup: int = 3, r
     for _ in range(warmup):
         step()
     best = best_time(run, repeats, device) / steps
-    return Timing("matmul floor", dtype_name(dtype), batch_size, None, best, steps)
+    return Timing("F.linear floor" if plain else "matmul floor", dtype_name(dtype), batch_size, None, best, steps)
 
 
 # --------------------------------------------------------------------------- prompts
@@ -287,7 +298,7 @@ def run_generate_benchmark(model: str = "smollm2-135m", dtypes: Sequence[str] = 
         raise ValueError(f"unknown engines {sorted(unknown)}: use minfer and/or transformers")
     started = time.perf_counter()
     machine = machine_info(device)  # before we load the machine ourselves
-    tasks = len(dtypes) * len(batch_sizes) * repeats * (1 + len(engines)) + 1
+    tasks = len(dtypes) * len(batch_sizes) * repeats * (2 + len(engines)) + 1
     bar = tqdm(total=tasks, desc="bench", disable=not progress, leave=False)
     with tempfile.TemporaryDirectory(prefix="minfer_bench_") as tmp:
         bar.set_postfix_str("preparing weights")
@@ -309,7 +320,8 @@ def run_generate_benchmark(model: str = "smollm2-135m", dtypes: Sequence[str] = 
             for batch in batch_sizes:
                 timings: dict[str, list[Timing]] = {}
                 for r in range(repeats):
-                    runs = {"matmul floor": lambda: matmul_floor(llm.model, batch, floor_steps)}
+                    runs = {"matmul floor": lambda: matmul_floor(llm.model, batch, floor_steps),
+                            "F.linear floor": lambda: matmul_floor(llm.model, batch, floor_steps, plain=True)}
                     if "minfer" in engines:
                         runs["minfer"] = lambda: time_minfer(llm, prompts, max_tokens, batch, warmup=r == 0)
                     if "transformers" in engines:
@@ -367,9 +379,9 @@ def ratios(rows: Iterable[Timing]) -> list[dict]:
             entry["minfer_vs_floor"] = by["minfer"].decode_tokens_per_s / by["matmul floor"].decode_tokens_per_s
         if "minfer" in by and "same_tokens_as_transformers" in by["minfer"].extra:
             entry["same_tokens"] = by["minfer"].extra["same_tokens_as_transformers"]
-        if "transformers" in by and "matmul floor" in by:
+        if "transformers" in by and "F.linear floor" in by:  # transformers multiplies with F.linear
             entry["transformers_vs_floor"] = (by["transformers"].decode_tokens_per_s
-                                              / by["matmul floor"].decode_tokens_per_s)
+                                              / by["F.linear floor"].decode_tokens_per_s)
         out.append(entry)
     return out
 
@@ -419,7 +431,10 @@ def format_markdown(result: dict, command: Optional[str] = None) -> str:
                      f"| {cell(e, 'minfer_vs_floor', floor_target)} | {cell(e, 'transformers_vs_floor')} "
                      f"| {'–' if 'same_tokens' not in e else format(e['same_tokens'], '.0%')} |")
     lines += ["", f"Targets: minfer ≥ {TARGET_VS_TRANSFORMERS}× transformers in the same dtype; at batch 1, minfer ≥ "
-                  f"{TARGET_FLOOR_FRACTION:.2f}× the matmul floor (within 1.25× of it). MBU = weight bytes per step ÷ TPOT "
+                  f"{TARGET_FLOOR_FRACTION:.2f}× the matmul floor. The matmul floor calls the "
+                  "model's own linear layers (on CPU prepacked for oneDNN, as minfer runs them); the F.linear floor "
+                  "calls F.linear on the same weights (as transformers runs them), and transformers / floor uses it. "
+                  "MBU = weight bytes per step ÷ TPOT "
                   "÷ copy bandwidth. Same tokens: share of sequences where both engines generated identical ids."]
     return "\n".join(lines) + "\n"
 

@@ -77,10 +77,20 @@ class KVPool:
                 scales[layer].view(-1, new.shape[1])[slots] = scale
             pool[layer].view(new.shape[1], -1, new.shape[2])[:, slots] = new.transpose(0, 1)
 
-    def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, layer: int, tables: torch.Tensor, first_block: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of whole blocks, [seqs, kv_heads, blocks * block_size, head_dim], in the model's dtype.
 
-        They are views of a buffer the next call overwrites: use them before gathering again."""
+        They are views of a buffer the next call overwrites: use them before gathering again.
+        first_block: the tables are one sequence whose blocks are consecutive, starting there. Its
+        keys and values are then one contiguous run per head in the heads-first pool, read in
+        place with no copy at all (a sequence alone in the pool gets its blocks in order)."""
+        if first_block is not None:
+            blocks = slice(first_block, first_block + tables.shape[1])
+            keys, values = self.k[layer][:, blocks].flatten(1, 2)[None], self.v[layer][:, blocks].flatten(1, 2)[None]
+            if self.quantized:
+                keys = dequantize_kv(keys, self.k_scale[layer][blocks].flatten(0, 1).T[None], self.dtype)
+                values = dequantize_kv(values, self.v_scale[layer][blocks].flatten(0, 1).T[None], self.dtype)
+            return keys, values
         k_pool, v_pool = self.layer(layer)
         _, block_size, kv_heads, head_dim = k_pool.shape
         shape = (kv_heads, tables.numel(), block_size, head_dim)
@@ -113,7 +123,8 @@ class DecodeBucket:
     start: int  # their queries' rows in the packed step: [start, end)
     end: int
     tables: torch.Tensor  # int32 [seqs, widest table in the bucket]
-    mask: torch.Tensor  # bool [seqs, 1, 1, width * block_size]: True where a key is within the sequence
+    mask: Optional[torch.Tensor]  # bool [seqs, 1, 1, width * block_size]: True where a key is within the sequence
+    first_block: Optional[int]  # one sequence whose blocks are consecutive from here (see KVPool.gather)
 
 
 class PagedStep:
@@ -142,6 +153,7 @@ class PagedStep:
                 self.decode_lens = torch.tensor([s.context_len for s in self.decodes], dtype=torch.int32, device=device)
         else:  # the gather path: tables built once per step, not once per layer
             self.prefill_tables = [tables[i:i + 1, :len(s.block_table)].to(device) for i, s in enumerate(self.prefills)]
+            self.prefill_runs = [first_of_run(s.block_table) for s in self.prefills]
             self.decode_buckets = [decode_bucket(group, pool.block_size, device) for group in split_by_length(self.decodes)]
 
     def advance(self, num_tokens: int) -> None:
@@ -156,12 +168,12 @@ class PagedStep:
             return self._attend_with_kernels(layer, q, k, v)
         self.pool.store(layer, k[0].transpose(0, 1), v[0].transpose(0, 1), self.slot_mapping)
         out = torch.empty_like(q)
-        for s, table in zip(self.prefills, self.prefill_tables):
-            keys, values = self.pool.gather(layer, table)
+        for s, table, first_block in zip(self.prefills, self.prefill_tables, self.prefill_runs):
+            keys, values = self.pool.gather(layer, table, first_block)
             rows = slice(s.query_start, s.query_start + s.query_len)
             out[:, :, rows] = attention_fn(q[:, :, rows], keys[:, :, :s.context_len], values[:, :, :s.context_len], None)
         for bucket in self.decode_buckets:
-            keys, values = self.pool.gather(layer, bucket.tables)
+            keys, values = self.pool.gather(layer, bucket.tables, bucket.first_block)
             query = q[0, :, bucket.start:bucket.end].transpose(0, 1).unsqueeze(2)  # [seqs, heads, 1, dim]
             out[0, :, bucket.start:bucket.end] = attention_fn(query, keys, values, bucket.mask).squeeze(2).transpose(0, 1)
         return out
@@ -208,6 +220,14 @@ def split_by_length(decodes: list[SequenceSlice], min_per_bucket: int = 8, max_b
 
 def decode_bucket(decodes: list[SequenceSlice], block_size: int, device: torch.device) -> DecodeBucket:
     tables = block_tables(decodes).to(device)
+    width = tables.shape[1] * block_size
     lens = torch.tensor([s.context_len for s in decodes], device=device)
-    mask = (torch.arange(tables.shape[1] * block_size, device=device)[None] < lens[:, None])[:, None, None, :]
-    return DecodeBucket(decodes[0].query_start, decodes[-1].query_start + 1, tables, mask)
+    mask = (torch.arange(width, device=device)[None] < lens[:, None])[:, None, None, :]
+    first_block = first_of_run(decodes[0].block_table) if len(decodes) == 1 else None
+    return DecodeBucket(decodes[0].query_start, decodes[-1].query_start + 1, tables, mask, first_block)
+
+
+def first_of_run(block_table: list[int]) -> Optional[int]:
+    """The first block if the table is consecutive blocks (b, b + 1, ...), else None."""
+    first = block_table[0]
+    return first if block_table == list(range(first, first + len(block_table))) else None

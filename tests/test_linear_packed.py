@@ -1,0 +1,39 @@
+"""CPU linears with prepacked weights: the same numbers as F.linear, repacked when the weight changes."""
+import pytest
+import torch
+from torch import nn
+
+from minfer.layers.linear import PackedLinear, pack_linears
+from minfer.quant.linear import Int8Linear
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])  # one bfloat16 step; measured identical here
+def test_packed_equals_f_linear(dtype, tolerance):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96, bias=True), nn.Linear(96, 32, bias=False)).to(dtype)
+    x = torch.randn(5, 7, 64, dtype=dtype)
+    expected = model(x)
+    pack_linears(model)
+    assert all(type(m) is PackedLinear for m in model)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_in_place_change_repacks_and_ties_survive():
+    torch.manual_seed(0)
+    embed = nn.Embedding(50, 16)
+    model = nn.ModuleDict({"embed": embed, "head": nn.Linear(16, 50, bias=False)})
+    model["head"].weight = embed.weight  # tied, as SmolLM2's head is
+    pack_linears(model)
+    assert model["head"].weight is embed.weight
+    x = torch.randn(3, 16)
+    before = model["head"](x)
+    with torch.no_grad():
+        embed.weight.mul_(2)  # e.g. scales folded into the weights after loading
+    torch.testing.assert_close(model["head"](x), 2 * before, rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_layers_are_left_alone():
+    model = nn.Sequential(Int8Linear.from_linear(nn.Linear(32, 16)), nn.Linear(16, 8).to(torch.float16))
+    pack_linears(model)
+    assert type(model[0]) is Int8Linear and type(model[1]) is nn.Linear  # float16: oneDNN cannot pack it here
