@@ -91,8 +91,9 @@ class EngineConfig:
     tokenizer, a shipped draft such as 'smollm2-135m-draft', a LlamaModel, or a `minfer.spec.Proposer`) with
     num_speculative_tokens (1-16), both or neither.
 
-    enforce_eager: True runs every step eagerly; False compiles the decode step (see
-    `minfer.engine.model_runner`); None (default) chooses per device.
+    enforce_eager: False compiles the decode steps (`minfer.engine.compiled_decode`); True or None
+    (the default) runs every step eagerly: measured on CPU, compiling costs about 40 s and gains
+    nothing over the eager step (docs/benchmarks.md); on CUDA it is not measured yet.
 
     Construction checks what can be checked without the model; `fit_to_model` finishes the job
     once the model's shape is known. device and dtype are resolved to torch objects.

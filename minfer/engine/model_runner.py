@@ -10,7 +10,8 @@ sequences and tokens:
   attention function replaced the model's (the kernels cannot call it);
 * the forward pass, with logits only where someone reads them;
 * batched sampling: one call draws the next token of every sequence that gets one, each row with
-  its own settings and its own random generator.
+  its own settings and its own random generator;
+* with enforce_eager=False, decode steps through the compiled model (`compiled_decode.py`).
 
     runner = ModelRunner(model, config)
     step = runner.run(batch)        # batch: [(sequence, new tokens), ...] from the scheduler
@@ -24,6 +25,7 @@ from typing import Optional
 import torch
 
 from minfer.config import CPU_KV_CACHE_BYTES, EngineConfig
+from minfer.engine.compiled_decode import CompiledDecode, bucket_for
 from minfer.engine.paged_kv import KVPool, PagedStep, SequenceSlice
 from minfer.layers.attention import attention_sdpa
 from minfer.layers.sampler import sample_next_tokens
@@ -60,6 +62,12 @@ class PreparedStep:
     sampled: list[tuple[Sequence, slice]] = field(default_factory=list)  # logits rows of each sampled sequence
     scored: list[tuple[Sequence, int, int]] = field(default_factory=list)
 
+    @property
+    def plain_decode(self) -> bool:
+        """One new token per sequence and nothing else to compute: the step a compiled model serves."""
+        return (not self.scored and all(s.query_len == 1 for s in self.paged.slices)
+                and len(self.sampled) == len(self.paged.slices) and all(not s.spec_token_ids for s, _ in self.sampled))
+
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, config: EngineConfig, use_kernels: Optional[bool] = None) -> None:
@@ -70,6 +78,9 @@ class ModelRunner:
         self.device = weight.device
         num_blocks = config.num_gpu_blocks_override or self._blocks_for_memory()
         self.pool = KVPool(model.config, num_blocks, config.block_size, weight.dtype, self.device, config.kv_cache_dtype)
+        # Eager unless asked (see EngineConfig.enforce_eager for the measurements behind it).
+        eager = True if config.enforce_eager is None else config.enforce_eager
+        self.compiled = None if eager else CompiledDecode(model)
 
     def _blocks_for_memory(self) -> int:
         """How many KV blocks fit the budget. On CUDA: run one full-size step first, then give the
@@ -134,7 +145,10 @@ class ModelRunner:
     def run(self, batch: list[tuple[Sequence, int]]) -> StepOutput:
         """Prepare, run the model, and sample every sequence that gets a plain next token."""
         step = self.prepare(batch)
-        logits = self.model(step.input_ids, step.positions, step.paged, logits_indices=step.logits_indices)[0]
+        if self.compiled is not None and step.plain_decode and bucket_for(step.input_ids.shape[1]):
+            logits = self.compiled(step.input_ids, step.positions, step.paged, step.logits_indices)[0]
+        else:
+            logits = self.model(step.input_ids, step.positions, step.paged, logits_indices=step.logits_indices)[0]
         plain = [i for i, (seq, _) in enumerate(step.sampled) if not seq.spec_token_ids]
         seqs = [step.sampled[i][0] for i in plain]
         drawn = sample_next_tokens(logits[[step.sampled[i][1].start for i in plain]], [s.params for s in seqs],

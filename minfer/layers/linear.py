@@ -28,6 +28,8 @@ class PackedLinear(nn.Linear):
     """An nn.Linear whose forward uses a prepacked copy of its weight (CPU only)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # the compiler packs weights itself ("freezing")
+            return F.linear(x, self.weight, self.bias)
         if getattr(self, "_packed_version", None) != self.weight._version:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)  # 1: a batch-size hint
             self._packed_version = self.weight._version
