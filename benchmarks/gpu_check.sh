@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The generation benchmark on a CUDA machine that has no model file and no package index.
 #
-#   benchmarks/gpu_check.sh OUT_DIR     # writes OUT_DIR/{env.txt,bench_generate.{json,md,log},kernel_tests.log,bench_kernels.{json,log}}
+#   benchmarks/gpu_check.sh OUT_DIR     # writes OUT_DIR/{env.txt,bench_generate.{json,md,log},kernel_tests.log,bench_kernels.{json,log},bench_compiled.{json,log}}
 #
 # Needs python with torch (CUDA build) and transformers; minfer is used from this checkout (no install).
 # The real SmolLM2 weights do not travel, so it benchmarks random weights of the same shapes, saved as a
 # Hugging Face checkpoint with a stand-in tokenizer; the prompts are token ids. Speed depends on the
 # shapes only, so the numbers compare with the real model's. Then (on CUDA) the Triton kernel tests without
 # the interpreter (tests/test_kernel_compile.py, tests/test_kernels.py) and their bandwidth benchmark
-# (PEAK_GBPS, default 4800 for an H200). Under 5 minutes.
+# (PEAK_GBPS, default 4800 for an H200), then eager vs compiled decode steps. Under 10 minutes.
 # Overrides (used by the CPU test of this script): PYTHON, DEVICE (cuda), SHAPES (smollm2-135m),
 # BENCH_ARGS (extra arguments for `python -m minfer bench`), TIME_LIMIT (seconds, 180).
 set -euo pipefail
@@ -64,6 +64,9 @@ if [[ "$DEVICE" == cuda* ]]; then
         tests/test_kernels.py 2>&1 | tee "$OUT/kernel_tests.log" || status=$?
     timeout 60 "$PYTHON" benchmarks/bench_kernels.py --peak-gbps "${PEAK_GBPS:-4800}" --json "$OUT/bench_kernels.json" \
         2>&1 | tee "$OUT/bench_kernels.log" || status=$?
+    # The engine's decode step eager vs through torch.compile (enforce_eager), on the paged pool and kernels.
+    timeout 300 "$PYTHON" benchmarks/bench_compiled.py --random-weights "$SHAPES" --device "$DEVICE" \
+        --dtypes bfloat16 --batch-sizes 1 16 --json "$OUT/bench_compiled.json" 2>&1 | tee "$OUT/bench_compiled.log" || status=$?
 fi
 echo "gpu_check: results in $OUT (exit $status)"
 exit "$status"

@@ -123,7 +123,7 @@ def test_greedy_tokens_mostly_agree_with_the_float32_cache(llm, llm_int8):
     # tokens up to the first disagreement (after it, the two continue from different texts)
     agreed = [next((i for i, (a, b) in enumerate(zip(r, q)) if a != b), len(r)) for r, q in zip(reference, quantized)]
     print("tokens agreed before the first difference:", agreed)
-    assert sum(agreed) / sum(map(len, reference)) >= 0.6  # measured: 176/192 (0.92)
+    assert sum(agreed) / sum(map(len, reference)) >= 0.75  # measured: 176/192 (0.92); 0.75 leaves 3x the measured mismatches
     assert sum(a == len(r) for a, r in zip(agreed, reference)) >= 3  # measured: 5 of 6 agree all 32
     assert llm_int8.engine.blocks.num_free_blocks == 96
 

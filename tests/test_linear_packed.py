@@ -1,4 +1,6 @@
 """CPU linears with prepacked weights: the same numbers as F.linear, repacked when the weight changes."""
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -31,6 +33,15 @@ def test_in_place_change_repacks_and_ties_survive():
     with torch.no_grad():
         embed.weight.mul_(2)  # e.g. scales folded into the weights after loading
     torch.testing.assert_close(model["head"](x), 2 * before, rtol=1e-5, atol=1e-5)
+
+
+def test_deepcopy_repacks_in_the_copy():
+    model = pack_linears(nn.Sequential(nn.Linear(16, 8)))
+    x = torch.randn(2, 16)
+    expected = model(x)  # packs
+    twin = copy.deepcopy(model)
+    torch.testing.assert_close(twin(x), expected)
+    assert twin[0]._packed is not model[0]._packed
 
 
 def test_quantized_layers_are_left_alone():

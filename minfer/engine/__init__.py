@@ -1,0 +1,12 @@
+"""The serving engine: many requests, one scheduled step at a time.
+
+Where a request goes, file by file:
+
+    engine.py           Engine.add_request queues it; Engine.step = schedule -> run -> postprocess
+    scheduler.py          schedule: which sequences run this step and how many tokens each brings
+    block_manager.py      ... and which KV blocks hold them (shared prefixes found by hash)
+    model_runner.py     run: the step's tensors, the forward pass, batched sampling
+    paged_kv.py           during the forward pass: storing K/V in the pool and attending over it
+    compiled_decode.py    the same decode step through torch.compile (enforce_eager=False)
+    engine.py           postprocess: append tokens (or accept drafts), finish, free blocks, outputs
+"""

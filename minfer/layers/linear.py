@@ -38,6 +38,14 @@ class PackedLinear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave the packed weight behind (an opaque oneDNN tensor): rebuilt on first use."""
+        state = self.__dict__.copy()
+        state.pop("_packed", None)
+        state.pop("_packed_version", None)
+        return state
+
+
 def pack_linears(model: nn.Module) -> nn.Module:
     """Turn every plain nn.Linear of a CPU model into a PackedLinear, in place; returns the model.
 

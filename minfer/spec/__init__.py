@@ -10,6 +10,7 @@ of a single target pass.
     draft_model.py a small model with the same vocabulary, with a per-sequence KV cache
     rejection.py   the acceptance rule (lossless) and greedy verification
     stats.py       acceptance rate, mean acceptance length, acceptance per position
+    distill.py     the shipped draft: its model, distillation loss and training loop (chapter 08)
 
     LLM("smollm2-135m", speculative_model="[ngram]", num_speculative_tokens=4)
 """
