@@ -22,14 +22,19 @@ def test_sdpa_matches_reference(heads, kv_heads, q_len, kv_len, padded):
 
 
 @pytest.mark.parametrize("batch", [1, 7, 8, 20])  # both sides of DECODE_MATMUL_MIN_BATCH
+@pytest.mark.parametrize("pool_order", [True, False])  # K/V in memory KV head first (paged pool) or sequence first
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_decode_paths_match_reference_on_pool_ordered_views(batch, dtype, tolerance):
-    """One query per sequence, K/V as the paged pool gathers them: [kv_heads, batch, ...] in memory,
-    seen as [batch, kv_heads, ...]; each sequence sees its own number of keys."""
+def test_decode_paths_match_reference(batch, pool_order, dtype, tolerance):
+    """One query per sequence, K/V as the paged pool gathers them ([kv_heads, batch, ...] in memory,
+    seen as [batch, kv_heads, ...]) or as a contiguous cache holds them; each sequence sees its own
+    number of keys."""
     gen = torch.Generator().manual_seed(batch)
     q = torch.randn(batch, 9, 1, 16, generator=gen).to(dtype)
-    k = torch.randn(3, batch, 40, 16, generator=gen).to(dtype).transpose(0, 1)
-    v = torch.randn(3, batch, 40, 16, generator=gen).to(dtype).transpose(0, 1)
+    if pool_order:
+        k = torch.randn(3, batch, 40, 16, generator=gen).to(dtype).transpose(0, 1)
+        v = torch.randn(3, batch, 40, 16, generator=gen).to(dtype).transpose(0, 1)
+    else:
+        k, v = torch.randn(batch, 3, 40, 16, generator=gen).to(dtype), torch.randn(batch, 3, 40, 16, generator=gen).to(dtype)
     lengths = torch.randint(1, 41, (batch,), generator=gen)
     mask = (torch.arange(40)[None] < lengths[:, None])[:, None, None, :]
     expected = attention_reference(q.float(), k.float(), v.float(), mask)

@@ -65,18 +65,23 @@ DECODE_MATMUL_MIN_BATCH = 8
 
 def decode_attention_matmul(grouped: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """One query per sequence, written as two matmuls batched over (kv_heads, sequences).
+    """One query per sequence, written as two matmuls batched over sequences and KV heads.
 
     grouped [batch, kv_heads, group, dim] (the query heads of each KV head), k/v [batch, kv_heads,
-    kv_len, dim], mask [batch, 1, 1, kv_len] or None -> [batch, kv_heads, group, dim]. The batch
-    axes are walked KV head first, the order the paged pool gathers K/V in, so the transposes
-    copy nothing. Scores in the model's dtype, softmax in float32, as transformers' eager attention.
+    kv_len, dim], mask [batch, 1, 1, kv_len] or None -> [batch, kv_heads, group, dim]. The two batch
+    axes are walked in the order K/V lie in memory (KV head first for the paged pool's gathers,
+    sequence first for a contiguous cache), so that matmul copies nothing. Scores in the model's
+    dtype, softmax in float32, as transformers' eager attention.
     """
-    scores = grouped.transpose(0, 1) @ k.transpose(0, 1).transpose(-1, -2) / math.sqrt(grouped.shape[-1])
+    heads_first = k.stride(1) > k.stride(0)
+    if heads_first:
+        grouped, k, v = grouped.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        mask = None if mask is None else mask.transpose(0, 1)
+    scores = (grouped / math.sqrt(grouped.shape[-1])) @ k.transpose(-1, -2)  # scale the few queries, not the scores
     if mask is not None:
-        scores = scores.masked_fill(~mask.transpose(0, 1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(grouped.dtype)
-    return (probs @ v.transpose(0, 1)).transpose(0, 1)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(grouped.dtype) @ v
+    return out.transpose(0, 1) if heads_first else out
 
 
 def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
