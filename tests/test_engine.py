@@ -121,6 +121,10 @@ def test_random_arrivals_and_aborts_keep_the_pool_consistent(tiny_4k_dir, data):
             (request,) = llm._make_requests({"prompt_token_ids": prompt},
                                             SamplingParams(temperature=0, max_tokens=data.draw(st.integers(1, 12)),
                                                            ignore_eos=True))
+            if blocks.blocks_needed(len(prompt) + request.seqs[0].max_tokens) > blocks.num_blocks:
+                with pytest.raises(ValueError, match="more than the whole pool"):
+                    engine.add_request(request)  # refused up front, nothing queued
+                continue
             engine.add_request(request)
             live.append(request)
         elif action == "abort" and live:

@@ -24,12 +24,7 @@ from minfer.kv_cache import KVCache
 from minfer.models.llama import LlamaModel
 from minfer.sampling_params import SamplingParams
 from minfer.spec.proposer import Proposer
-from minfer.spec.stats import SpecDecodeStats
-
-
-def expected_tokens_per_pass(alpha: float, k: int) -> float:
-    """1 + alpha + ... + alpha^k: the accepted drafts plus the one token every pass yields."""
-    return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+from minfer.spec.stats import SpecDecodeStats, expected_tokens_per_pass
 
 
 def expected_speedup(alpha: float, k: int, c: float) -> float:

@@ -1,11 +1,24 @@
-"""What speculation bought: vLLM's speculative-decoding metrics.
+"""What speculation bought: vLLM's speculative-decoding metrics, and the per-token alpha of the theory.
 
-draft_acceptance_rate = accepted draft tokens / proposed draft tokens (alpha, per token).
-mean_acceptance_length = tokens emitted per verification pass = 1 + accepted / drafts
-    (the 1 is the correction or bonus token every pass yields).
-acceptance_rate_per_position[i] = how often the draft token at position i was accepted, among
-    the drafts that had a position i (a token at i can only be accepted if all before it were,
-    so the rates fall with i: roughly alpha^(i+1) for a steady alpha).
+vLLM's metrics, under vLLM's names:
+    draft_acceptance_rate = accepted draft tokens / proposed draft tokens.
+    mean_acceptance_length = tokens emitted per verification pass = 1 + accepted / drafts
+        (the 1 is the correction or bonus token every pass yields).
+    acceptance_rate_per_position[i] = how often the draft token at position i was accepted, among
+        the drafts that had a position i.
+
+The expected-tokens formula E = (1 - alpha^(k+1)) / (1 - alpha) (Leviathan et al., 2023) needs another
+quantity: alpha, the chance that a draft token is accepted *given that every draft token before it
+was*. A token at position i is only accepted if all before it were, so draft_acceptance_rate mixes
+alpha with the draft length: for a steady alpha it is alpha (1 - alpha^k) / ((1 - alpha) k), which
+falls as k grows. Two estimators of alpha:
+
+* `alpha` (from the counts, any draft lengths): each verification pass is a run of Bernoulli(alpha)
+  trials that stops at the first rejection or at the end of the draft. The maximum-likelihood
+  estimate is accepted / (accepted + rejections), where a rejection is a pass that stopped before
+  its draft ran out.
+* `alpha_from_mean_acceptance_length(L, k)` (when only vLLM's mean acceptance length is known, for a
+  fixed k): the alpha whose E equals L, found by bisection (E grows with alpha).
 """
 from __future__ import annotations
 
@@ -17,6 +30,7 @@ class SpecDecodeStats:
     num_drafts: int = 0  # verification passes that checked at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_rejections: int = 0  # passes that stopped at a rejected draft token (not at the draft's end)
     num_draft_tokens_per_pos: list[int] = field(default_factory=list)
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     draft_time_s: float = 0.0  # time spent proposing (draft forwards or n-gram lookups)
@@ -31,6 +45,7 @@ class SpecDecodeStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
+        self.num_rejections += num_accepted < num_draft
         for i in range(num_draft):
             self.num_draft_tokens_per_pos[i] += 1
             self.num_accepted_tokens_per_pos[i] += i < num_accepted
@@ -47,8 +62,31 @@ class SpecDecodeStats:
     def acceptance_rate_per_position(self) -> list[float]:
         return [a / d for a, d in zip(self.num_accepted_tokens_per_pos, self.num_draft_tokens_per_pos)]
 
+    @property
+    def alpha(self) -> float:
+        """Per-token conditional acceptance, maximum-likelihood: accepted / (accepted + rejections)."""
+        trials = self.num_accepted_tokens + self.num_rejections
+        return self.num_accepted_tokens / trials if trials else 0.0
+
     def as_dict(self) -> dict:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens, "draft_acceptance_rate": self.draft_acceptance_rate,
                 "mean_acceptance_length": self.mean_acceptance_length,
-                "acceptance_rate_per_position": self.acceptance_rate_per_position, "draft_time_s": self.draft_time_s}
+                "acceptance_rate_per_position": self.acceptance_rate_per_position, "num_rejections": self.num_rejections,
+                "alpha": self.alpha, "draft_time_s": self.draft_time_s}
+
+
+def expected_tokens_per_pass(alpha: float, k: int) -> float:
+    """1 + alpha + ... + alpha^k: the accepted drafts plus the one token every pass yields."""
+    return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def alpha_from_mean_acceptance_length(mean_acceptance_length: float, k: int) -> float:
+    """The alpha whose expected tokens per pass, with k draft tokens, equal the measured mean acceptance length."""
+    if not 1 <= mean_acceptance_length <= k + 1:
+        raise ValueError(f"mean_acceptance_length must lie in [1, k + 1] = [1, {k + 1}], got {mean_acceptance_length}")
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if expected_tokens_per_pass(mid, k) < mean_acceptance_length else (low, mid)
+    return (low + high) / 2

@@ -102,8 +102,9 @@ def test_swiglu_matches_engine_mlp(impl, llm, gen):
     mlp = llm.model.layers[3].mlp
     gate, up = mlp.gate_up_proj.weight.detach().split(mlp.intermediate_size, dim=0)
     x = torch.randn(2, 3, llm.config.hidden_size, generator=gen)
+    # 1e-3: the engine's linears are prepacked for oneDNN, which sums in another order than F.linear.
     torch.testing.assert_close(impl.swiglu_mlp(x, gate, up, mlp.down_proj.weight.detach()), mlp(x),
-                               rtol=1e-4, atol=1e-4)
+                               rtol=1e-3, atol=1e-3)
 
 
 # ----------------------------------------------------------------- the whole decoder
