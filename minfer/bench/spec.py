@@ -1,15 +1,17 @@
 """Measuring speculative decoding: the expected-speedup formula and the timings to set beside it.
 
 One speculative step costs one draft step per draft token (c each, in units of a target step)
-plus one target pass over k+1 positions, and yields on average (1 - alpha^(k+1)) / (1 - alpha)
-tokens when each draft token is accepted with probability alpha, independently. Hence
+plus one target pass over k+1 positions (v target steps), and yields on average
+E = (1 - alpha^(k+1)) / (1 - alpha) tokens when each draft token is accepted with probability
+alpha given that the ones before it were (`SpecDecodeStats.alpha`, not vLLM's
+draft_acceptance_rate). Hence
 
-    expected speedup = (1 - alpha^(k+1)) / ((1 - alpha) (1 + k c))
+    expected speedup = (1 - alpha^(k+1)) / ((1 - alpha) (v + k c))
 
-which assumes that scoring k+1 positions costs the same as scoring one (true while a step is
-bound by reading the weights; `forward_cost` measures how true it is here). The benchmark
-(benchmarks/bench_speculative.py) and notebook 07 time with these helpers; `cost_ratio` also gives
-the router's c (benchmarks/bench_router.py, notebook 08).
+Leviathan et al. (2023) take v = 1: scoring k+1 positions costs the same as scoring one, true while
+a step is bound by reading the weights. `forward_cost` measures v here (a pass over k+1 positions
+over a pass over one; `verify_costs`). The benchmark (benchmarks/bench_speculative.py) and notebook 07 time with
+these helpers; `cost_ratio` also gives the router's c (benchmarks/bench_router.py, notebook 08).
 """
 from __future__ import annotations
 
@@ -27,26 +29,45 @@ from minfer.spec.proposer import Proposer
 from minfer.spec.stats import SpecDecodeStats, expected_tokens_per_pass
 
 
-def expected_speedup(alpha: float, k: int, c: float) -> float:
-    return expected_tokens_per_pass(alpha, k) / (1 + k * c)
+def expected_speedup(alpha: float, k: int, c: float, verify_cost: float = 1.0) -> float:
+    """Expected tokens per pass over the pass's cost in target steps: k draft steps of c each, and
+    one verification pass of `verify_cost` steps (1: the formula's assumption; see `forward_cost`)."""
+    if not c >= 0 or not verify_cost > 0:  # refuses NaN too
+        raise ValueError(f"the costs must be c >= 0 and verify_cost > 0, got c={c!r}, verify_cost={verify_cost!r}")
+    return expected_tokens_per_pass(alpha, k) / (verify_cost + k * c)
 
 
 @torch.inference_mode()
+def forward_costs(model: LlamaModel, context_len: int, token_counts: list[int], repeats: int = 10) -> list[float]:
+    """Median seconds of a batch-1 forward pass over each of token_counts new tokens after
+    context_len cached ones. The counts take turns, repeat after repeat, so that a change in the
+    machine's load hits them all alike."""
+    weight = model.embed_tokens.weight
+    longest = max(token_counts)
+    cache = KVCache(model.config, 1, context_len + longest, weight.dtype, weight.device)
+    ids = torch.randint(0, model.config.vocab_size, (1, context_len + longest), device=weight.device)
+    model(ids[:, :context_len], torch.arange(context_len, device=weight.device)[None], cache)
+    times: list[list[float]] = [[] for _ in token_counts]
+    for _ in range(repeats + 1):  # the first round is a warm-up
+        for i, n in enumerate(token_counts):
+            cache.length = context_len
+            positions = torch.arange(context_len, context_len + n, device=weight.device)[None]
+            start = time.perf_counter()
+            model(ids[:, context_len:context_len + n], positions, cache)
+            synchronize(weight.device)
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t[1:]) for t in times]
+
+
 def forward_cost(model: LlamaModel, context_len: int, num_tokens: int = 1, repeats: int = 10) -> float:
     """Median seconds of one batch-1 forward pass over num_tokens new tokens after context_len cached ones."""
-    weight = model.embed_tokens.weight
-    cache = KVCache(model.config, 1, context_len + num_tokens, weight.dtype, weight.device)
-    ids = torch.randint(0, model.config.vocab_size, (1, context_len + num_tokens), device=weight.device)
-    model(ids[:, :context_len], torch.arange(context_len, device=weight.device)[None], cache)
-    positions = torch.arange(context_len, context_len + num_tokens, device=weight.device)[None]
-    times = []
-    for _ in range(repeats + 1):  # the first is a warm-up
-        cache.length = context_len
-        start = time.perf_counter()
-        model(ids[:, context_len:], positions, cache)
-        synchronize(weight.device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    return forward_costs(model, context_len, [num_tokens], repeats)[0]
+
+
+def verify_costs(model: LlamaModel, ks: list[int], context_len: int = 256, repeats: int = 10) -> dict[int, float]:
+    """v for each k: a batch-1 pass over k+1 new positions / a pass over one, timed side by side."""
+    costs = forward_costs(model, context_len, [1] + [k + 1 for k in ks], repeats)
+    return {k: cost / costs[0] for k, cost in zip(ks, costs[1:])}
 
 
 def cost_ratio(draft: LlamaModel, target: LlamaModel, context_len: int = 256, repeats: int = 10) -> float:

@@ -13,15 +13,18 @@ was*. A token at position i is only accepted if all before it were, so draft_acc
 alpha with the draft length: for a steady alpha it is alpha (1 - alpha^k) / ((1 - alpha) k), which
 falls as k grows. Two estimators of alpha:
 
-* `alpha` (from the counts, any draft lengths): each verification pass is a run of Bernoulli(alpha)
-  trials that stops at the first rejection or at the end of the draft. The maximum-likelihood
-  estimate is accepted / (accepted + rejections), where a rejection is a pass that stopped before
-  its draft ran out.
+* `SpecDecodeStats.alpha` (from the counts, any draft lengths): each verification pass is a run of
+  Bernoulli(alpha) trials that stops at the first rejection or at the end of the draft. All passes
+  together have likelihood alpha^A (1 - alpha)^R, with A the accepted draft tokens and R the
+  rejections (passes that stopped before their draft ran out), so the maximum-likelihood estimate
+  is A / (A + R). A draft cut short (lookup found fewer tokens, max_tokens was near) is simply a
+  run that ended without a rejection: no bias.
 * `alpha_from_mean_acceptance_length(L, k)` (when only vLLM's mean acceptance length is known, for a
   fixed k): the alpha whose E equals L, found by bisection (E grows with alpha).
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 
@@ -64,7 +67,8 @@ class SpecDecodeStats:
 
     @property
     def alpha(self) -> float:
-        """Per-token conditional acceptance, maximum-likelihood: accepted / (accepted + rejections)."""
+        """Per-token acceptance given the earlier drafts accepted (the alpha of the expected-tokens
+        formula), maximum-likelihood: accepted / (accepted + rejections); 0.0 before any draft."""
         trials = self.num_accepted_tokens + self.num_rejections
         return self.num_accepted_tokens / trials if trials else 0.0
 
@@ -77,16 +81,26 @@ class SpecDecodeStats:
 
 
 def expected_tokens_per_pass(alpha: float, k: int) -> float:
-    """1 + alpha + ... + alpha^k: the accepted drafts plus the one token every pass yields."""
-    return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    """1 + alpha + ... + alpha^k = (1 - alpha^(k+1)) / (1 - alpha): the expected accepted drafts of a
+    pass with k draft tokens, each accepted with probability alpha given the ones before it, plus
+    the one token every pass yields."""
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0 <= alpha <= 1:
+        raise ValueError(f"alpha must be a probability in [0, 1], got {alpha!r}")
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+        raise ValueError(f"k (draft tokens per pass) must be an integer >= 0, got {k!r}")
+    return float(sum(alpha ** i for i in range(k + 1)))  # the sum, not the quotient: exact at alpha = 1
 
 
 def alpha_from_mean_acceptance_length(mean_acceptance_length: float, k: int) -> float:
-    """The alpha whose expected tokens per pass, with k draft tokens, equal the measured mean acceptance length."""
-    if not 1 <= mean_acceptance_length <= k + 1:
-        raise ValueError(f"mean_acceptance_length must lie in [1, k + 1] = [1, {k + 1}], got {mean_acceptance_length}")
+    """The alpha whose expected tokens per pass, with k draft tokens, equal the measured mean
+    acceptance length (vLLM's metric), found by bisection: E grows strictly with alpha for k >= 1.
+    Meant for runs whose passes all drafted k tokens; `SpecDecodeStats.alpha` needs no such care."""
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+        raise ValueError(f"k (draft tokens per pass) must be an integer >= 1, got {k!r}")
+    if not 1 <= mean_acceptance_length <= k + 1:  # also refuses NaN
+        raise ValueError(f"mean_acceptance_length must lie in [1, k + 1] = [1, {k + 1}], got {mean_acceptance_length!r}")
     low, high = 0.0, 1.0
-    for _ in range(60):
+    for _ in range(60):  # 2^-60: below float precision
         mid = (low + high) / 2
         low, high = (mid, high) if expected_tokens_per_pass(mid, k) < mean_acceptance_length else (low, mid)
     return (low + high) / 2
