@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import triton  # noqa: F401  (for the Triton ladder at the end of this file)
+import triton.language as tl  # noqa: F401
 
 
 def slot_for(block_table: list[int], position: int, block_size: int) -> int:
@@ -50,5 +52,90 @@ def online_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     maximum m, a running sum l of exp(score - m) and a running output acc = sum exp(score - m) * v;
     rescale them by exp(m_old - m_new) when a chunk raises the maximum. Never build the softmax
     of all n scores at once (no torch.softmax). Returns [head_dim].
+    """
+    raise NotImplementedError("write me")
+
+
+# ----------------------------------------------------------------- the Triton ladder
+# Three kernels, each one step closer to minfer/kernels/paged_decode_attention.py. On a CPU they run
+# under Triton's interpreter: the notebook sets TRITON_INTERPRET=1 before triton is first imported.
+# Each function below is the launcher: write a @triton.jit kernel above it, then replace the
+# `raise` with the launch. Keep the kernels' names private (a leading underscore).
+
+
+def softmax_rows_triton(x: torch.Tensor) -> torch.Tensor:
+    """softmax(x, dim=1) of a 2-D float32 tensor, computed by a Triton kernel with one program per row.
+
+    x [rows, cols] (cols >= 1), its rows contiguous (x.stride(1) == 1) but possibly spaced apart
+    (any x.stride(0)). Each program loads its whole row (padded to a power of two, the padding
+    masked off), subtracts the row's maximum, and divides the exponentials by their sum. Returns a
+    new [rows, cols] tensor.
+
+    A kernel of this shape does it:
+
+        @triton.jit
+        def _softmax_rows_kernel(x_ptr, out_ptr, n_cols, stride_x_row, stride_out_row, BLOCK: tl.constexpr):
+            row = tl.program_id(0)
+            cols = tl.arange(0, BLOCK)
+            ...  # tl.load with mask=cols < n_cols and other=float("-inf"); tl.max, tl.exp, tl.sum; tl.store
+
+        _softmax_rows_kernel[(rows,)](x, out, cols, x.stride(0), out.stride(0), BLOCK=triton.next_power_of_2(cols))
+    """
+    raise NotImplementedError("write me")
+
+
+def online_softmax_tile_triton(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, scores: torch.Tensor,
+                               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One tile of the online-softmax update, by a Triton kernel with one program per query row.
+
+    m, l [rows]: each row's running maximum and running sum of exp(score - m) over the keys seen so
+    far (-inf and 0 before the first tile); acc [rows, D]: the running sum of exp(score - m) * v;
+    scores [rows, N]: the rows' scores against this tile's N keys, -inf where a key must not count;
+    v [N, D]: the tile's values. All float32 with contiguous rows. Every row must have a finite m or
+    at least one finite score. Returns new tensors (m', l', acc'): the state over the keys seen so
+    far plus this tile, so that acc' / l' is the softmax-weighted mean of all their values. Write
+    the step itself as a @triton.jit function of (m, l, acc, scores, v) so the paged kernel can
+    call it in its loop.
+
+    Two pieces:
+
+        @triton.jit
+        def online_softmax_step(m, l, acc, scores, v):   # m, l scalars; acc [D]; scores [N]; v [N, D]
+            ...
+            return m_new, l_new, acc_new
+
+        @triton.jit
+        def _online_softmax_tile_kernel(m_ptr, l_ptr, acc_ptr, scores_ptr, v_ptr, m_out_ptr, l_out_ptr, acc_out_ptr,
+                                        n_keys, head_dim, stride_acc_row, stride_scores_row, stride_v_key,
+                                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+            ...  # load this row's state, its scores (padding: -inf) and the tile of v (padding: 0), step, store
+
+    Mind the padding: a padded key must add nothing, so load its score as -inf and its value as 0.
+    """
+    raise NotImplementedError("write me")
+
+
+def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: Optional[float] = None, block_n: int = 16) -> torch.Tensor:
+    """Paged decode attention by a Triton kernel: the engine's ``paged_decode_attention`` contract.
+
+    q [num_seqs, num_heads, head_dim]; k_pool, v_pool [num_blocks, block_size, num_kv_heads, head_dim]
+    (any strides, head_dim contiguous); block_tables int32 [num_seqs, max_blocks]; context_lens int32
+    [num_seqs], each >= 1. Query head h reads KV head h // (num_heads // num_kv_heads); scale
+    defaults to 1/sqrt(head_dim). One program per (sequence, query head) walks positions
+    0..context_len-1 in tiles of block_n (a power of two, independent of block_size): it looks each
+    position up in the block table, loads that tile's K and V, and folds it in with the online
+    softmax step of the previous rung. Returns [num_seqs, num_heads, head_dim] in q's dtype.
+
+    The loop, in outline (grid: (num_seqs, num_heads)):
+
+        for start in range(0, context_len, BLOCK_N):
+            positions = start + tl.arange(0, BLOCK_N)
+            ...  # block = table[positions // BLOCK_SIZE]; address (block, positions % BLOCK_SIZE, kv_head)
+            ...  # with the pools' strides; load K, V; scores = sum(k * q) * scale, -inf past context_len
+            m, l, acc = online_softmax_step(m, l, acc, scores, v)
+
+    Start from m = tl.full([], float("-inf"), tl.float32), l = tl.zeros([], tl.float32) and
+    acc = tl.zeros([BLOCK_D], tl.float32); store acc / l.
     """
     raise NotImplementedError("write me")

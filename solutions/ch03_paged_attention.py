@@ -5,6 +5,10 @@ import math
 from typing import Optional
 
 import torch
+import triton
+import triton.language as tl
+
+from minfer.kernels.paged_cache import check_attention_inputs
 
 
 def slot_for(block_table: list[int], position: int, block_size: int) -> int:
@@ -76,3 +80,155 @@ def online_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         acc = acc * alpha + p @ v[start:start + chunk_size].float()
         m = m_new
     return (acc / l).to(q.dtype)
+
+
+# ----------------------------------------------------------------- the Triton ladder
+# Three kernels, each one step closer to minfer/kernels/paged_decode_attention.py. On a CPU they run
+# under Triton's interpreter (TRITON_INTERPRET=1, set before triton is first imported).
+
+@triton.jit
+def _softmax_rows_kernel(x_ptr, out_ptr, n_cols, stride_x_row, stride_out_row, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)  # BLOCK is n_cols rounded up to a power of two: the lanes past n_cols are masked
+    col_ok = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x_row + cols, mask=col_ok, other=float("-inf"))
+    e = tl.exp(x - tl.max(x, axis=0))  # the padding lanes hold -inf, so they add exp(-inf) = 0 to the sum
+    tl.store(out_ptr + row * stride_out_row + cols, e / tl.sum(e, axis=0), mask=col_ok)
+
+
+def softmax_rows_triton(x: torch.Tensor) -> torch.Tensor:
+    """softmax(x, dim=1) of a 2-D float32 tensor, computed by a Triton kernel with one program per row.
+
+    x [rows, cols] (cols >= 1), its rows contiguous (x.stride(1) == 1) but possibly spaced apart
+    (any x.stride(0)). Each program loads its whole row (padded to a power of two, the padding
+    masked off), subtracts the row's maximum, and divides the exponentials by their sum. Returns a
+    new [rows, cols] tensor.
+    """
+    if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] < 1 or x.stride(1) != 1:
+        raise ValueError(f"x must be a 2-D float32 tensor with at least one column and contiguous rows, got "
+                         f"{x.dtype} {tuple(x.shape)} with strides {x.stride()}")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _softmax_rows_kernel[(x.shape[0],)](x, out, x.shape[1], x.stride(0), out.stride(0),
+                                        BLOCK=triton.next_power_of_2(x.shape[1]))
+    return out
+
+
+@triton.jit
+def online_softmax_step(m, l, acc, scores, v):
+    """Fold one tile of keys into one query row's running state; return the new ``(m, l, acc)``.
+
+    m, l: scalars (running maximum, running sum of exp(score - m)); acc [D] (running sum of
+    exp(score - m) * v); scores [N], -inf for a key that must not count; v [N, D], finite everywhere.
+    (The engine's ``online_softmax_update`` is the same step for a tile of rows at once, with tl.dot.)
+    """
+    m_new = tl.maximum(m, tl.max(scores, axis=0))
+    alpha = tl.exp(m - m_new)  # corrects what was summed against the old maximum; 0 when m was -inf
+    p = tl.exp(scores - m_new)
+    return m_new, l * alpha + tl.sum(p, axis=0), acc * alpha + tl.sum(p[:, None] * v, axis=0)
+
+
+@triton.jit
+def _online_softmax_tile_kernel(m_ptr, l_ptr, acc_ptr, scores_ptr, v_ptr, m_out_ptr, l_out_ptr, acc_out_ptr,
+                                n_keys, head_dim, stride_acc_row, stride_scores_row, stride_v_key,
+                                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0)
+    keys = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    key_ok = keys < n_keys
+    dim_ok = dims < head_dim
+    m = tl.load(m_ptr + row)
+    l = tl.load(l_ptr + row)
+    acc = tl.load(acc_ptr + row * stride_acc_row + dims, mask=dim_ok, other=0.0)
+    scores = tl.load(scores_ptr + row * stride_scores_row + keys, mask=key_ok, other=float("-inf"))
+    v = tl.load(v_ptr + keys[:, None] * stride_v_key + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+    m, l, acc = online_softmax_step(m, l, acc, scores, v)
+    tl.store(m_out_ptr + row, m)
+    tl.store(l_out_ptr + row, l)
+    tl.store(acc_out_ptr + row * stride_acc_row + dims, acc, mask=dim_ok)
+
+
+def online_softmax_tile_triton(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, scores: torch.Tensor,
+                               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One tile of the online-softmax update, by a Triton kernel with one program per query row.
+
+    m, l [rows]: each row's running maximum and running sum of exp(score - m) over the keys seen so
+    far (-inf and 0 before the first tile); acc [rows, D]: the running sum of exp(score - m) * v;
+    scores [rows, N]: the rows' scores against this tile's N keys, -inf where a key must not count;
+    v [N, D]: the tile's values. All float32 with contiguous rows. Every row must have a finite m or
+    at least one finite score. Returns new tensors (m', l', acc'): the state over the keys seen so
+    far plus this tile, so that acc' / l' is the softmax-weighted mean of all their values. Write
+    the step itself as a @triton.jit function of (m, l, acc, scores, v) so the paged kernel can
+    call it in its loop.
+    """
+    rows, n_keys = scores.shape if scores.dim() == 2 else (-1, -1)
+    head_dim = v.shape[-1]
+    shapes_ok = (m.shape == l.shape == (rows,) and acc.shape == (rows, head_dim) and v.shape == (n_keys, head_dim))
+    if not shapes_ok or n_keys < 1 or any(t.dtype != torch.float32 or t.stride(-1) != 1 for t in (m, l, acc, scores, v)):
+        raise ValueError("expected float32 m, l [rows], acc [rows, D], scores [rows, N >= 1], v [N, D] with contiguous "
+                         f"rows, got m {tuple(m.shape)}, l {tuple(l.shape)}, acc {tuple(acc.shape)}, "
+                         f"scores {tuple(scores.shape)}, v {tuple(v.shape)}")
+    m_out, l_out, acc_out = torch.empty_like(m), torch.empty_like(l), torch.empty_like(acc)
+    _online_softmax_tile_kernel[(rows,)](m, l, acc, scores, v, m_out, l_out, acc_out, n_keys, head_dim,
+                                         acc.stride(0), scores.stride(0), v.stride(0),
+                                         BLOCK_N=triton.next_power_of_2(n_keys), BLOCK_D=triton.next_power_of_2(head_dim))
+    return m_out, l_out, acc_out
+
+
+@triton.jit
+def _paged_attention_kernel(q_ptr, k_pool_ptr, v_pool_ptr, block_tables_ptr, context_lens_ptr, out_ptr, scale,
+                            stride_q_seq, stride_q_head, stride_pool_block, stride_pool_token, stride_pool_head,
+                            stride_table_seq, stride_out_seq, stride_out_head, head_dim,
+                            GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_D: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    context_len = tl.load(context_lens_ptr + seq)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < head_dim
+    q = tl.load(q_ptr + seq * stride_q_seq + head * stride_q_head + dims, mask=dim_ok, other=0.0).to(tl.float32)
+
+    m = tl.full([], float("-inf"), tl.float32)
+    l = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq * stride_table_seq
+    for start in range(0, context_len, BLOCK_N):
+        positions = start + tl.arange(0, BLOCK_N)
+        token_ok = positions < context_len
+        # slot_for, for a whole tile: which block holds each position, and where in that block
+        block = tl.load(table + positions // BLOCK_SIZE, mask=token_ok, other=0).to(tl.int64)
+        token = block * stride_pool_block + (positions % BLOCK_SIZE) * stride_pool_token + kv_head * stride_pool_head
+        mask = token_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_pool_ptr + token[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_pool_ptr + token[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+        scores = tl.where(token_ok, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
+        m, l, acc = online_softmax_step(m, l, acc, scores, v)  # the first tile holds position 0: m turns finite
+
+    tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + dims, (acc / l).to(out_ptr.dtype.element_ty),
+             mask=dim_ok)
+
+
+def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: Optional[float] = None, block_n: int = 16) -> torch.Tensor:
+    """Paged decode attention by a Triton kernel: the engine's ``paged_decode_attention`` contract.
+
+    q [num_seqs, num_heads, head_dim]; k_pool, v_pool [num_blocks, block_size, num_kv_heads, head_dim]
+    (any strides, head_dim contiguous); block_tables int32 [num_seqs, max_blocks]; context_lens int32
+    [num_seqs], each >= 1. Query head h reads KV head h // (num_heads // num_kv_heads); scale
+    defaults to 1/sqrt(head_dim). One program per (sequence, query head) walks positions
+    0..context_len-1 in tiles of block_n (a power of two, independent of block_size): it looks each
+    position up in the block table, loads that tile's K and V, and folds it in with the online
+    softmax step of the previous rung. Returns [num_seqs, num_heads, head_dim] in q's dtype.
+    """
+    group = check_attention_inputs(q, k_pool, v_pool, block_tables, context_lens)
+    if block_n < 1 or block_n & (block_n - 1):  # tl.arange wants a power of two; no tl.dot here, so no minimum
+        raise ValueError(f"block_n must be a power of two, got {block_n}")
+    num_seqs, num_heads, head_dim = q.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    out = torch.empty_like(q)
+    _paged_attention_kernel[(num_seqs, num_heads)](
+        q, k_pool, v_pool, block_tables, context_lens, out, scale,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1), head_dim,
+        GROUP=group, BLOCK_SIZE=k_pool.shape[1], BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim))
+    return out

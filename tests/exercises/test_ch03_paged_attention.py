@@ -1,13 +1,31 @@
 """Chapter 03: slots and block tables against the engine's BlockManager, paged attention against the
-kernels' PyTorch reference, and online softmax against the plain softmax."""
+kernels' PyTorch reference, online softmax against the plain softmax, and the three Triton kernels of
+the ladder against PyTorch.
+
+The Triton kernels run compiled on CUDA, and on a CPU under Triton's interpreter, which must be
+switched on (TRITON_INTERPRET=1) before triton is first imported: @triton.jit reads it when it
+decorates a function, triton's own tl.max and tl.sum included. The notebook sets it before its
+imports, and check("ch03") hands it on to this file's process. Where triton was imported without
+it (tests/conftest.py imports the engine, which imports triton), the kernel tests are not collected
+here and test_triton_ladder_in_a_fresh_process runs this file again with the interpreter on.
+"""
 import math
+import os
+import sys
 
 import pytest
 import torch
 
-from minfer.engine.block_manager import BlockManager
-from minfer.kernels.paged_cache import slots_for_positions, write_kv_reference
-from minfer.kernels.paged_decode_attention import paged_decode_attention_reference
+ON_CUDA = torch.cuda.is_available()
+KERNELS_RUN_HERE = ON_CUDA or os.environ.get("TRITON_INTERPRET") == "1" or "triton" not in sys.modules
+if KERNELS_RUN_HERE and not ON_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+DEVICE = "cuda" if ON_CUDA else "cpu"
+
+from minfer.course import REPO_ROOT, run_tests  # noqa: E402
+from minfer.engine.block_manager import BlockManager  # noqa: E402
+from minfer.kernels.paged_cache import slots_for_positions, write_kv_reference  # noqa: E402
+from minfer.kernels.paged_decode_attention import paged_decode_attention_reference  # noqa: E402
 
 
 @pytest.fixture
@@ -132,3 +150,146 @@ def test_online_softmax_never_calls_softmax(impl, gen, monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "softmax", forbidden)
     monkeypatch.setattr(torch.Tensor, "softmax", forbidden)
     torch.testing.assert_close(impl.online_softmax_attention(q, k, v, 4), expected, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------- the Triton ladder
+
+def runs_kernels(test):
+    """Collect a kernel test only where the kernels can run in this process (see the module docstring)."""
+    test.__test__ = KERNELS_RUN_HERE
+    return test
+
+
+def test_triton_ladder_in_a_fresh_process(request, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    results = run_tests([os.path.relpath(__file__, REPO_ROOT)], request.config.getoption("--impl"))
+    kernel_tests = [r for r in results if "triton" in r.name]
+    failed = [f"{r.name}: {r.message.splitlines()[0][:200] if r.message else r.outcome}"
+              for r in results if r.outcome != "passed"]
+    assert kernel_tests, "the fresh process ran no kernel test"
+    assert not failed, "under TRITON_INTERPRET=1:\n" + "\n".join(failed)
+
+
+test_triton_ladder_in_a_fresh_process.__test__ = not KERNELS_RUN_HERE
+
+
+@pytest.fixture
+def in_a_kernel(monkeypatch):
+    """in_a_kernel(fn, *args, **kwargs) -> fn's result, computed with torch's softmax switched off, and
+    checked to have launched a Triton kernel: the work has to happen inside one."""
+    if ON_CUDA:
+        from triton.runtime.jit import JITFunction as Kernel
+    else:
+        from triton.runtime.interpreter import InterpretedFunction as Kernel
+    launch = Kernel.run
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("write the softmax inside the kernel, not with torch")
+
+    def run(fn, *args, **kwargs):
+        launched = []
+
+        def counted(self, *launch_args, **launch_kwargs):
+            launched.append(self.__name__)
+            return launch(self, *launch_args, **launch_kwargs)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(Kernel, "run", counted)
+            for owner in (torch, torch.nn.functional, torch.Tensor):
+                patch.setattr(owner, "softmax", forbidden)
+            result = fn(*args, **kwargs)
+        assert launched, "no Triton kernel was launched"
+        return result
+
+    return run
+
+
+@runs_kernels
+@pytest.mark.parametrize("rows,cols", [(1, 1), (3, 5), (4, 16), (2, 100)])
+def test_softmax_rows_triton_equals_softmax(impl, gen, in_a_kernel, rows, cols):
+    x = torch.randn(rows, cols, generator=gen).to(DEVICE)
+    expected = torch.exp(x - x.max(dim=1, keepdim=True).values)
+    expected /= expected.sum(dim=1, keepdim=True)
+    torch.testing.assert_close(in_a_kernel(impl.softmax_rows_triton, x), expected, rtol=1e-5, atol=1e-6)
+
+
+@runs_kernels
+def test_softmax_rows_triton_spaced_rows_and_huge_values(impl, gen, in_a_kernel):
+    wide = torch.randn(3, 20, generator=gen).to(DEVICE) * 1000  # exp(1000) overflows unless the max is subtracted
+    x = wide[:, 2:9]  # rows 20 floats apart: the kernel must use x.stride(0)
+    expected = torch.exp(x - x.max(dim=1, keepdim=True).values)
+    expected /= expected.sum(dim=1, keepdim=True)
+    torch.testing.assert_close(in_a_kernel(impl.softmax_rows_triton, x), expected, rtol=1e-5, atol=1e-6)
+
+
+def state_of(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The online-softmax state (m, l, acc) of rows that have seen these keys, by its definition."""
+    m = scores.max(dim=1).values
+    weights = torch.exp(scores - m[:, None])
+    return m, weights.sum(dim=1), weights @ values
+
+
+TILE_CASES = {  # (keys seen before, keys in the tile, how the tile's scores compare)
+    "first-tile": (0, 5, "plain"),
+    "raises-max": (4, 5, "higher"),
+    "keeps-max": (6, 3, "lower"),
+    "masked-keys": (4, 7, "masked"),
+    "huge-jump": (4, 4, "huge"),
+    "one-key": (3, 1, "plain"),
+}
+
+
+@runs_kernels
+@pytest.mark.parametrize("case", list(TILE_CASES))
+@pytest.mark.parametrize("head_dim", [4, 24])
+def test_online_softmax_tile_triton_folds_a_tile_into_the_state(impl, gen, in_a_kernel, case, head_dim):
+    seen, new, kind = TILE_CASES[case]
+    rows = 3
+    old_scores, old_values = torch.randn(rows, seen, generator=gen), torch.randn(seen, head_dim, generator=gen)
+    scores, values = torch.randn(rows, new, generator=gen), torch.randn(new, head_dim, generator=gen)
+    scores += {"plain": 0.0, "higher": 5.0, "lower": -5.0, "masked": 0.0, "huge": 1000.0}[kind]
+    if kind == "masked":  # keys past the context: each row keeps at least one key (the tile's first)
+        scores[:, 1:] = scores[:, 1:].masked_fill(torch.rand(rows, new - 1, generator=gen) < 0.5, float("-inf"))
+    if seen:
+        m, l, acc = state_of(old_scores, old_values)
+    else:  # the empty state a kernel starts from
+        m, l, acc = torch.full((rows,), float("-inf")), torch.zeros(rows), torch.zeros(rows, head_dim)
+    expected = state_of(torch.cat([old_scores, scores], dim=1), torch.cat([old_values, values]))
+    result = in_a_kernel(impl.online_softmax_tile_triton, *(t.to(DEVICE) for t in (m, l, acc, scores, values)))
+    for name, got, want in zip(("m", "l", "acc"), result, expected):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5, msg=lambda text: f"{name}: {text}")
+
+
+def paged_batch(lengths: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int, gen: torch.Generator):
+    """q, pools full of random numbers (the engine's layout: kv_heads outermost, so the pools are
+    strided views), block tables of shuffled blocks padded with block 0, and the context lengths."""
+    num_blocks = sum(math.ceil(n / block_size) for n in lengths) + 3
+    k_pool = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen).movedim(0, 2)
+    v_pool = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen).movedim(0, 2)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(lengths), max(math.ceil(n / block_size) for n in lengths), dtype=torch.int32)
+    for seq, n in enumerate(lengths):
+        blocks = [free.pop() for _ in range(math.ceil(n / block_size))]
+        tables[seq, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    q = torch.randn(len(lengths), heads, head_dim, generator=gen)
+    return q, k_pool, v_pool, tables, torch.tensor(lengths, dtype=torch.int32)
+
+
+@runs_kernels
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (6, 2, 24), (9, 1, 8)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("block_size,block_n", [(4, 16), (8, 4), (16, 16)],
+                         ids=["tile-spans-blocks", "tile-inside-a-block", "tile-is-a-block"])
+def test_paged_attention_triton_equals_the_reference(impl, gen, in_a_kernel, heads, kv_heads, head_dim, block_size, block_n):
+    q, k_pool, v_pool, tables, lens = paged_batch([1, 9, 37], heads, kv_heads, head_dim, block_size, gen)
+    expected = paged_decode_attention_reference(q, k_pool, v_pool, tables, lens)
+    device_args = (t.to(DEVICE) for t in (q, k_pool, v_pool, tables, lens))
+    torch.testing.assert_close(in_a_kernel(impl.paged_attention_triton, *device_args, block_n=block_n).cpu(), expected,
+                               rtol=1e-5, atol=1e-5)
+
+
+@runs_kernels
+def test_paged_attention_triton_uses_the_scale(impl, gen, in_a_kernel):
+    q, k_pool, v_pool, tables, lens = paged_batch([5, 20], 4, 2, 8, 4, gen)
+    expected = paged_decode_attention_reference(q, k_pool, v_pool, tables, lens, scale=0.7)
+    device_args = (t.to(DEVICE) for t in (q, k_pool, v_pool, tables, lens))
+    torch.testing.assert_close(in_a_kernel(impl.paged_attention_triton, *device_args, scale=0.7).cpu(), expected, rtol=1e-5, atol=1e-5)
