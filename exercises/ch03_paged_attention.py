@@ -139,3 +139,22 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     acc = tl.zeros([BLOCK_D], tl.float32); store acc / l.
     """
     raise NotImplementedError("write me")
+
+
+def paged_attention_split_k_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                                   block_tables: torch.Tensor, context_lens: torch.Tensor,
+                                   scale: Optional[float] = None, num_splits: int = 4, block_n: int = 16) -> torch.Tensor:
+    """``paged_attention_triton`` with each context cut into num_splits slices ("flash decoding").
+
+    Same arguments and result, plus num_splits >= 1. One program per (sequence, query head, split)
+    runs the online softmax over its slice of the context (whole tiles of block_n; a slice may be
+    empty) and stores its unnormalised state (m, l, acc) instead of an output. The launcher then
+    merges the states of each (sequence, head) with the same rescaling as the online softmax:
+    M = max of the m's, out = sum(exp(m - M) * acc) / sum(exp(m - M) * l).
+
+    (Optional: the extension at the end of the chapter.) In the kernel, tl.program_id(2) is the
+    split; slice s covers [s * span, min((s + 1) * span, context_len)) with
+    span = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N. Store m, l, acc into float32
+    buffers [num_seqs, num_heads, num_splits] (and [..., BLOCK_D]) and merge them in PyTorch.
+    """
+    raise NotImplementedError("write me")

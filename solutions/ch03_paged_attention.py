@@ -232,3 +232,77 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         block_tables.stride(0), out.stride(0), out.stride(1), head_dim,
         GROUP=group, BLOCK_SIZE=k_pool.shape[1], BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim))
     return out
+
+
+@triton.jit
+def _paged_attention_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, block_tables_ptr, context_lens_ptr,
+                                  m_ptr, l_ptr, acc_ptr, scale,
+                                  stride_q_seq, stride_q_head, stride_pool_block, stride_pool_token, stride_pool_head,
+                                  stride_table_seq, head_dim,
+                                  GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_head = head // GROUP
+    context_len = tl.load(context_lens_ptr + seq)
+    # This program's share of the context: whole tiles, so that only the sequence's last tile is partial.
+    span = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    first = split * span
+    last = tl.minimum(first + span, context_len)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < head_dim
+    q = tl.load(q_ptr + seq * stride_q_seq + head * stride_q_head + dims, mask=dim_ok, other=0.0).to(tl.float32)
+
+    m = tl.full([], float("-inf"), tl.float32)
+    l = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq * stride_table_seq
+    for start in range(first, last, BLOCK_N):  # the same loop as _paged_attention_kernel, over [first, last)
+        positions = start + tl.arange(0, BLOCK_N)
+        token_ok = positions < last
+        block = tl.load(table + positions // BLOCK_SIZE, mask=token_ok, other=0).to(tl.int64)
+        token = block * stride_pool_block + (positions % BLOCK_SIZE) * stride_pool_token + kv_head * stride_pool_head
+        mask = token_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_pool_ptr + token[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_pool_ptr + token[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+        scores = tl.where(token_ok, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
+        m, l, acc = online_softmax_step(m, l, acc, scores, v)
+
+    # Unnormalised partial state; a split past the context stores the empty state (-inf, 0, 0).
+    state = (seq * tl.num_programs(1) + head) * NUM_SPLITS + split
+    tl.store(m_ptr + state, m)
+    tl.store(l_ptr + state, l)
+    tl.store(acc_ptr + state * BLOCK_D + dims, acc)
+
+
+def paged_attention_split_k_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                                   block_tables: torch.Tensor, context_lens: torch.Tensor,
+                                   scale: Optional[float] = None, num_splits: int = 4, block_n: int = 16) -> torch.Tensor:
+    """``paged_attention_triton`` with each context cut into num_splits slices ("flash decoding").
+
+    Same arguments and result, plus num_splits >= 1. One program per (sequence, query head, split)
+    runs the online softmax over its slice of the context (whole tiles of block_n; a slice may be
+    empty) and stores its unnormalised state (m, l, acc) instead of an output. The launcher then
+    merges the states of each (sequence, head) with the same rescaling as the online softmax:
+    M = max of the m's, out = sum(exp(m - M) * acc) / sum(exp(m - M) * l).
+    """
+    group = check_attention_inputs(q, k_pool, v_pool, block_tables, context_lens)
+    if block_n < 1 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two, got {block_n}")
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
+    num_seqs, num_heads, head_dim = q.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    block_d = triton.next_power_of_2(head_dim)
+    m = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(num_seqs, num_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
+    _paged_attention_split_kernel[(num_seqs, num_heads, num_splits)](
+        q, k_pool, v_pool, block_tables, context_lens, m, l, acc, scale,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        block_tables.stride(0), head_dim,
+        GROUP=group, BLOCK_SIZE=k_pool.shape[1], NUM_SPLITS=num_splits, BLOCK_N=block_n, BLOCK_D=block_d)
+    weight = torch.exp(m - m.max(dim=-1, keepdim=True).values)  # empty splits weigh exp(-inf) = 0
+    out = (weight[..., None] * acc).sum(dim=2) / (weight * l).sum(dim=2, keepdim=True)
+    return out[..., :head_dim].to(q.dtype)

@@ -293,3 +293,14 @@ def test_paged_attention_triton_uses_the_scale(impl, gen, in_a_kernel):
     expected = paged_decode_attention_reference(q, k_pool, v_pool, tables, lens, scale=0.7)
     device_args = (t.to(DEVICE) for t in (q, k_pool, v_pool, tables, lens))
     torch.testing.assert_close(in_a_kernel(impl.paged_attention_triton, *device_args, scale=0.7).cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+@runs_kernels
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_paged_attention_split_k_triton_equals_the_reference(impl, gen, in_a_kernel, num_splits):
+    # lengths 1 and 9 leave some of 8 splits empty; 70 with tiles of 4 spreads over all of them
+    q, k_pool, v_pool, tables, lens = paged_batch([1, 9, 70], 6, 2, 24, 8, gen)
+    expected = paged_decode_attention_reference(q, k_pool, v_pool, tables, lens)
+    device_args = (t.to(DEVICE) for t in (q, k_pool, v_pool, tables, lens))
+    out = in_a_kernel(impl.paged_attention_split_k_triton, *device_args, num_splits=num_splits, block_n=4)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
