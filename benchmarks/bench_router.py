@@ -1,14 +1,17 @@
-"""The router on a labelled prompt set: share routed cheap, quality kept, cost, per threshold.
+"""The router on checkable tasks: which cheap model, which confidence signal, and the cost-accuracy trade-off.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_router.py --json docs/bench_router.json --update-docs
 
-Full model: SmolLM2-135M in bfloat16. Cheap model: the same model quantized to int4 with
-activation-aware scales (`quantization="awq"`). Each prompt of `minfer.router.routing_prompts`
-(easy pattern completions and hard questions, made in code) is answered greedily by both; the
-cheap answer "keeps quality" when its first tokens equal the full model's. The classifier is
-the cheap model's lowest top-token probability over its answer; below the threshold the request
-escalates. Cost by the seeds' formula, share_cheap x c + share_full x 1, with c the measured
-decode-step time ratio, and also counting the cheap attempt every request pays (c + share_full).
+Full model: SmolLM2-135M-Instruct. Every task of `minfer.router_tasks.make_tasks` (arithmetic of
+growing size, copying, formatting, facts; each with a checker) is answered greedily, through the
+chat template, by the full model and by each cheap candidate (`minfer.router.CHEAP_MODELS`). For
+each candidate: its accuracy, its cost ratio c (one decode step against the full model's, batch 1,
+`minfer.bench.spec.cost_ratio`), and how well each confidence signal separates its right answers
+from its wrong ones (AUC). The candidate and signal whose cheapest threshold keeps the full model's
+accuracy costs least (counting the cheap attempt every request pays) is the operating point; the
+threshold sweep of that pair is the table. Costs are given two ways: by the formula with the
+measured c, and as measured time: the seconds the routed run would spend (every cheap attempt plus
+the escalated full answers) over the seconds of answering everything with the full model.
 """
 from __future__ import annotations
 
@@ -21,64 +24,82 @@ import torch
 
 from minfer import LLM
 from minfer.bench.common import write_docs_section
-from minfer.bench.spec import cost_ratio
-from minfer.router import evaluate_routing, greedy_answer, routing_prompts
+from minfer.router import CHEAP_MODELS, RouterStudy, build_cheap_model, cheapest_study, study_router
+from minfer.router_tasks import answer_tasks, make_tasks
 
 DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"  # this checkout's docs page
-
 DOCS_START, DOCS_END = "<!-- bench_router:start -->", "<!-- bench_router:end -->"
-THRESHOLDS = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8]
 
 
-def run(per_kind: int, max_tokens: int, cheap_quantization: str) -> dict:
-    full = LLM("smollm2-135m", dtype="bfloat16", device="cpu")
-    cheap = LLM("smollm2-135m", dtype="bfloat16", device="cpu", quantization=cheap_quantization)
-    rows = []
-    for kind, ids in routing_prompts(full.tokenizer, per_kind):
-        a, b = greedy_answer(cheap.model, ids, max_tokens), greedy_answer(full.model, ids, max_tokens)
-        rows.append({"kind": kind, "confidence": a.confidence, "agrees": a.token_ids == b.token_ids})
-    c = cost_ratio(cheap.model, full.model)
-    sweep = []
-    for t in THRESHOLDS:
-        r = evaluate_routing([x["confidence"] for x in rows], [x["agrees"] for x in rows], t, c)
-        hard_cheap = sum(x["kind"] == "hard" and x["confidence"] >= t for x in rows)
-        sweep.append({**r.__dict__, "hard_routed_cheap": hard_cheap})
+def run(per_kind: int, max_tokens: int, candidates: list[str], dtype: str) -> dict:
+    llm = LLM("smollm2-135m", dtype=dtype, device="cpu")
+    tokenizer, full = llm.get_tokenizer(), llm.model
+    tasks = make_tasks(per_kind)
+    full_rows = answer_tasks(full, tokenizer, tasks, max_tokens)
+    studies: dict[str, RouterStudy] = {}
+    cheap_rows = {}
+    for name in candidates:
+        cheap = build_cheap_model(name, full, tokenizer)
+        cheap_rows[name] = answer_tasks(cheap, tokenizer, tasks, max_tokens)
+        studies[name] = study_router(name, cheap, full, cheap_rows[name], full_rows)
+        del cheap
+    best = cheapest_study(list(studies.values()))
     return {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "cheap": f"int4 ({cheap_quantization}), bfloat16 activations", "full": "bfloat16",
-            "max_tokens": max_tokens, "num_prompts": len(rows), "cost_ratio": c,
-            "cheap_agrees": sum(x["agrees"] for x in rows), "rows": rows, "sweep": sweep}
+            "dtype": dtype, "max_tokens": max_tokens, "num_tasks": len(tasks),
+            "full_accuracy": best.full_accuracy, "candidates": {n: s.summary() for n, s in studies.items()},
+            "chosen": best.name, "sweep": [r.__dict__ for r in best.sweep_table()],
+            "operating_point": best.operating_point.__dict__, "timed_cost": best.timed_cost(best.operating_point),
+            "by_kind": best.by_kind(), "full_rows": full_rows, "cheap_rows": cheap_rows}
 
 
 def markdown(result: dict, command: str) -> str:
-    n = result["num_prompts"]
-    lines = [f"Command: `{command}` ({result['threads']} torch thread). {n} prompts (half easy, half hard, made "
-             f"in code); the cheap model ({result['cheap']}) gives the full model's first {result['max_tokens']} "
-             f"tokens on {result['cheap_agrees']} of {n}. Measured cost ratio c = {result['cost_ratio']:.2f} "
-             "(cheap / full decode step, batch 1).", "",
-             "| threshold | routed cheap | hard ones routed cheap | quality kept | cost s·c + (1−s) | cost with the cheap attempt |",
-             "|---:|---:|---:|---:|---:|---:|"]
+    n, full_acc = result["num_tasks"], result["full_accuracy"]
+    lines = [f"Command: `{command}` ({result['threads']} torch thread, {result['dtype']}). {n} checkable tasks made in "
+             f"code (`minfer/router_tasks.py`: arithmetic of growing size, copying, formatting, facts). The full "
+             f"model answers {full_acc:.0%} of them right.", "",
+             "| cheap model | accuracy | c (decode step vs full) | AUC min_prob | AUC mean_prob | AUC first_margin | "
+             "cheapest cost at the full model's accuracy |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, s in result["candidates"].items():
+        auc = [f"{s['auc'][k]:.2f}" if s["auc"][k] is not None else "–" for k in ("min_prob", "mean_prob", "first_margin")]
+        lines.append(f"| {name} | {s['accuracy']:.0%} | {s['cost_ratio']:.2f} | {' | '.join(auc)} | "
+                     f"{s['operating_cost']:.2f} ({s['signal']}) |")
+    op = result["operating_point"]
+    chosen = result["candidates"][result["chosen"]]
+    lines += ["", f"Chosen: **{result['chosen']}** with the signal **{chosen['signal']}**. Its threshold sweep "
+              f"(cost counts the cheap attempt every request pays: c + (1 − s); c = {chosen['cost_ratio']:.2f}):", "",
+              "| threshold | routed cheap | accuracy | misrouted (cheap wrong, full right) | wasted escalations | "
+              "cost s·c + (1−s) | cost c + (1−s) |", "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["sweep"]:
-        lines.append(f"| {r['threshold']:.1f} | {r['share_cheap']:.0%} | {r['hard_routed_cheap']} | "
-                     f"{r['quality_kept']:.0%} | {r['cost']:.2f} | {r['cost_with_classifier']:.2f} |")
-    lines += ["", "Quality kept: the share of all requests whose served answer equals the full model's (an "
-              "escalated request always does). A low threshold sends hard prompts to the cheap model and "
-              "loses quality silently; a conservative one keeps quality but saves little, and once every "
-              "request pays for the cheap attempt, routing only pays when c is small and the share "
-              "routed cheap is large."]
+        lines.append(f"| {r['threshold']:.3f} | {r['share_cheap']:.0%} | {r['accuracy']:.1%} | {r['misrouted']} | "
+                     f"{r['wasted_escalations']} | {r['cost']:.2f} | {r['cost_with_classifier']:.2f} |")
+    lines += ["", f"Operating point (the cheapest threshold at the full model's accuracy, {full_acc:.1%}): threshold "
+              f"{op['threshold']:.3f}, {op['share_cheap']:.0%} served cheap, accuracy {op['accuracy']:.1%}; cost "
+              f"{op['cost']:.2f} by s·c + (1−s), {op['cost_with_classifier']:.2f} counting the cheap attempt, and "
+              f"{result['timed_cost']:.2f} in measured seconds against the full model alone. The textbook example, "
+              "70 % cheap at c = 0.1, gives 0.7 × 0.1 + 0.3 × 1 = 0.37.", "",
+              "Per kind at the operating point:", "",
+              "| kind | full model right | cheap model right | routed cheap | served right |",
+              "|---|---:|---:|---:|---:|"]
+    for kind, k in result["by_kind"].items():
+        lines.append(f"| {kind} | {k['full_right']}/{k['n']} | {k['cheap_right']}/{k['n']} | {k['routed_cheap']} | "
+                     f"{k['served_right']}/{k['n']} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--per-kind", type=int, default=16, help="prompts per kind (easy, hard)")
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--cheap", default="awq", choices=["awq", "int4", "int8"], help="the cheap model's quantization")
+    parser.add_argument("--per-kind", type=int, default=10, help="tasks per kind (12 kinds; the fact kinds stop at "
+                                                                 "the facts listed)")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--candidates", nargs="+", default=list(CHEAP_MODELS), choices=CHEAP_MODELS)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", dest="json_path")
     parser.add_argument("--update-docs", nargs="?", const=str(DOCS_PAGE), default=None, metavar="PATH")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    result = run(args.per_kind, args.max_tokens, args.cheap)
+    result = run(args.per_kind, args.max_tokens, args.candidates, args.dtype)
     command = "python benchmarks/bench_router.py --json docs/bench_router.json --update-docs"
     text = markdown(result, command)
     print(text)
@@ -87,7 +108,7 @@ def main() -> None:
             json.dump(result, f, indent=1)
     if args.update_docs:
         write_docs_section(text, args.update_docs, DOCS_START, DOCS_END,
-                            heading="## Routing: easy requests to a cheap model")
+                           heading="## Routing: easy requests to a cheap model")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Chapter 08: a distilled draft with a small head, and a router with an escalation rule.
+"""Chapter 08: a distilled draft with a small head, and a router: its escalation rule, cost, and threshold.
 
 Fill in each function (replace `raise NotImplementedError`), then run `check("ch08")` in the
 notebook.
@@ -50,5 +50,29 @@ def routing_cost(share_cheap: float, cost_cheap: float) -> float:
     """Mean cost per request relative to the full model: share_cheap x cost_cheap + share_full x 1.
 
     Raise ValueError unless 0 <= share_cheap <= 1 and cost_cheap >= 0.
+    """
+    raise NotImplementedError("write me")
+
+
+def threshold_sweep(confidences: list[float], cheap_correct: list[bool], full_correct: list[bool],
+                    thresholds: list[float]) -> list[tuple[float, float]]:
+    """For each threshold, in the order given: (share of requests routed cheap, accuracy served).
+
+    Request i goes cheap when route(confidences[i], threshold) == 'cheap' (so a NaN confidence
+    escalates); the answer served is then right when cheap_correct[i], else when full_correct[i].
+    Accuracy is the share of all requests whose served answer is right. Raise ValueError unless the
+    three lists are non-empty and of the same length.
+    """
+    raise NotImplementedError("write me")
+
+
+def cheapest_threshold(confidences: list[float], cheap_correct: list[bool], full_correct: list[bool],
+                       target_accuracy: float) -> float | None:
+    """The lowest threshold that still serves at least target_accuracy, or None.
+
+    The candidates are 0.0 and every distinct (non-NaN) confidence: no other threshold changes the
+    routing. A lower threshold routes more requests cheap, so the lowest candidate that meets the
+    target is the cheapest. Return None when none does (then escalate everything). Raise ValueError
+    unless 0 <= target_accuracy <= 1.
     """
     raise NotImplementedError("write me")

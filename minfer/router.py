@@ -1,75 +1,99 @@
 """A router: easy requests to a cheap model, hard ones to the full model (chapter 08).
 
-If a share s of requests can be answered by a model costing c (relative to the full model's 1)
-without losing quality, serving costs
+The arithmetic of routing (as in FrugalGPT, Chen et al. 2023, arXiv:2305.05176, and RouteLLM,
+Ong et al. 2024, arXiv:2406.18665): if a share s of requests is served by a model whose cost is c
+relative to the full model's 1, a request costs on average
 
-    cost = s * c + (1 - s) * 1          (the seeds' formula)
+    cost = s * c + (1 - s) * 1
 
-per request instead of 1 (`benchmarks/bench_router.py` measures c as one decode step of each
-model at batch 1). Everything rests on the classifier that decides "easy": it must be cheap, and
-a hard request sent to the cheap model costs quality, silently. Here the classifier is the cheap
-model's own confidence: it answers greedily, and the lowest top-token probability over the first
-tokens of its answer is the signal. Below a threshold, or when anything is unclear (no answer,
-NaN), the request escalates to the full model. A higher threshold is more conservative: fewer
-requests stay cheap, fewer hard ones slip through.
+instead of 1. That assumes the decision is free. Here it is not: the classifier is the cheap
+model's own confidence in its answer, so every request first runs the cheap model, and an
+escalated one pays the full model on top: c + (1 - s) (`routing_cost(..., include_classifier=True)`).
+Routing then saves only when s > c.
 
-The classifier is not free: every request runs the cheap model first, so an escalated one costs
-c + 1. `routing_cost(..., include_classifier=True)` counts that: c + (1 - s).
+Quality is correctness: each request of the labelled set (`minfer.router_tasks`) has a checker,
+and a routed answer is right when the answer actually served passes it. A cheap answer worded
+differently from the full model's is not penalised, and a cheap answer that is right where the
+full model is wrong counts as right.
 
-"Quality kept" is measured against the full model: a routed answer keeps quality when it equals
-the full model's greedy answer (the first `max_tokens` tokens).
-
-Any two minfer models can be paired. Chapter 08 uses the int4-quantised target as the cheap model
-(`minfer.quant.linear.quantize_model`): the distilled draft predicts the target's next token well
-enough for speculative decoding, where each miss is corrected, but its 8-token answers almost
-never equal the target's, so as a stand-alone cheap model it would always be escalated.
+Confidence signals (`SIGNALS`), all in [0, 1], read off the cheap model's greedy answer:
+    min_prob      the lowest top-token probability over the answer (an answer is as sure as its weakest step)
+    mean_prob     the geometric mean of the top-token probabilities: exp(mean log-probability)
+    first_margin  top-1 minus top-2 probability at the first answer token
+Below a threshold, or when the signal is unusable (no answer, NaN), the request escalates.
+`separation_auc` measures how well a signal separates right cheap answers from wrong ones.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from minfer.kv_cache import KVCache
 from minfer.models.llama import LlamaModel
 
+SIGNALS = ("min_prob", "mean_prob", "first_margin")
+
 
 @dataclass
 class Answer:
     token_ids: list[int]
     top_probs: list[float]  # the model's probability of each token it chose
+    second_probs: list[float]  # the probability of the runner-up at each step
 
     @property
-    def confidence(self) -> float:
-        """The weakest step: an answer is as trustworthy as its least certain token."""
+    def min_prob(self) -> float:
         return min(self.top_probs) if self.top_probs else float("nan")
+
+    @property
+    def mean_prob(self) -> float:
+        if not self.top_probs:
+            return float("nan")
+        return math.exp(sum(math.log(max(p, 1e-30)) for p in self.top_probs) / len(self.top_probs))
+
+    @property
+    def first_margin(self) -> float:
+        return self.top_probs[0] - self.second_probs[0] if self.top_probs else float("nan")
+
+    def confidence(self, signal: str = "min_prob") -> float:
+        if signal not in SIGNALS:
+            raise ValueError(f"signal must be one of {SIGNALS}, got {signal!r}")
+        return getattr(self, signal)
 
 
 @torch.inference_mode()
-def greedy_answer(model: LlamaModel, prompt_ids: list[int], max_tokens: int) -> Answer:
-    """Greedy decoding at batch 1 over a contiguous KV cache, recording each step's top probability.
+def greedy_answer(model: LlamaModel, prompt_ids: list[int], max_tokens: int,
+                  stop_token_ids: Sequence[int] = ()) -> Answer:
+    """Greedy decoding at batch 1 over a contiguous KV cache, recording each step's top two probabilities.
 
-    A draft with a reduced head (`head_token_ids`) answers in target token ids."""
+    Stops after max_tokens or after a token of stop_token_ids (which is kept in the answer). A
+    draft with a reduced head (`head_token_ids`) answers in target token ids."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     device = model.embed_tokens.weight.device
     head = getattr(model, "head_token_ids", None)
     cache = KVCache(model.config, 1, len(prompt_ids) + max_tokens, model.embed_tokens.weight.dtype, device)
     ids = torch.tensor([prompt_ids], device=device)
     positions = torch.arange(len(prompt_ids), device=device)[None]
-    tokens, probs = [], []
+    tokens, top, second = [], [], []
     for _ in range(max_tokens):
-        p = torch.softmax(model(ids, positions, cache)[0, -1], dim=-1)
-        top, index = p.max(dim=-1)
-        token = int(head[index]) if head is not None else int(index)
+        probs = torch.softmax(model(ids, positions, cache)[0, -1].float(), dim=-1)
+        best = probs.topk(2)
+        index = int(best.indices[0])
+        token = int(head[index]) if head is not None else index
         tokens.append(token)
-        probs.append(float(top))
+        top.append(float(best.values[0]))
+        second.append(float(best.values[1]))
+        if token in stop_token_ids:
+            break
         ids = torch.tensor([[token]], device=device)
         positions = positions[:, -1:] + 1
-    return Answer(tokens, probs)
+    return Answer(tokens, top, second)
 
 
-def route(confidence: float, threshold: float) -> str:
+def route(confidence: Optional[float], threshold: float) -> str:
     """'cheap' only when the cheap model is sure enough; 'full' below the threshold or when in doubt."""
     if not 0.0 <= threshold <= 1.0:
         raise ValueError(f"threshold must be in [0, 1], got {threshold!r}")
@@ -79,10 +103,10 @@ def route(confidence: float, threshold: float) -> str:
 
 
 def routing_cost(share_cheap: float, cost_cheap: float, include_classifier: bool = False) -> float:
-    """Mean cost per request relative to always using the full model.
+    """Mean cost per request relative to always using the full model: share_cheap x cost_cheap + share_full x 1.
 
-    The seeds' formula: share_cheap x cost_cheap + share_full x 1. With include_classifier, every
-    request pays for the cheap model's attempt and escalated ones pay the full model on top."""
+    With include_classifier, every request pays for the cheap model's attempt and escalated ones
+    pay the full model on top: cost_cheap + share_full."""
     if not 0.0 <= share_cheap <= 1.0:
         raise ValueError(f"share_cheap must be in [0, 1], got {share_cheap!r}")
     if cost_cheap < 0:
@@ -97,67 +121,222 @@ def routing_cost(share_cheap: float, cost_cheap: float, include_classifier: bool
 class RoutingResult:
     threshold: float
     share_cheap: float
-    quality_kept: float  # share of all requests whose served answer equals the full model's
-    quality_kept_cheap: float  # the same among those routed cheap (nan when none)
-    cost: float  # the seeds' formula
-    cost_with_classifier: float
+    accuracy: float  # share of all requests whose served answer is right
+    misrouted: int  # routed cheap, answered wrong, though the full model was right: quality lost silently
+    wasted_escalations: int  # escalated although the cheap answer was right: cost paid for nothing
+    cost: float  # s * c + (1 - s)
+    cost_with_classifier: float  # c + (1 - s): every request pays the cheap attempt
 
 
-def evaluate_routing(confidences: list[float], agrees: list[bool], threshold: float, cost_cheap: float) -> RoutingResult:
-    """Score one threshold on a labelled set: confidences of the cheap model, and whether its answer
-    agrees with the full model's (the ground truth for "quality kept" when routed cheap)."""
-    if len(confidences) != len(agrees) or not confidences:
-        raise ValueError("confidences and agrees must be non-empty lists of the same length")
+def _check_lengths(confidences: Sequence[float], cheap_correct: Sequence[bool], full_correct: Sequence[bool]) -> None:
+    if not confidences or not len(confidences) == len(cheap_correct) == len(full_correct):
+        raise ValueError("confidences, cheap_correct and full_correct must be non-empty and of the same length, got "
+                         f"{len(confidences)}, {len(cheap_correct)}, {len(full_correct)}")
+
+
+def evaluate_routing(confidences: Sequence[float], cheap_correct: Sequence[bool], full_correct: Sequence[bool],
+                     threshold: float, cost_cheap: float) -> RoutingResult:
+    """Score one threshold on a labelled set: per request, the cheap model's confidence and whether
+    the cheap and the full model's answers are right."""
+    _check_lengths(confidences, cheap_correct, full_correct)
     cheap = [route(c, threshold) == "cheap" for c in confidences]
-    n_cheap = sum(cheap)
-    kept_cheap = sum(a for a, c in zip(agrees, cheap) if c)
-    share = n_cheap / len(cheap)
-    return RoutingResult(threshold, share, (kept_cheap + len(cheap) - n_cheap) / len(cheap),
-                         kept_cheap / n_cheap if n_cheap else float("nan"),
-                         routing_cost(share, cost_cheap), routing_cost(share, cost_cheap, include_classifier=True))
+    right = [cc if go_cheap else fc for go_cheap, cc, fc in zip(cheap, cheap_correct, full_correct)]
+    share = sum(cheap) / len(cheap)
+    return RoutingResult(
+        threshold, share, sum(right) / len(right),
+        misrouted=sum(go and not cc and fc for go, cc, fc in zip(cheap, cheap_correct, full_correct)),
+        wasted_escalations=sum(not go and cc for go, cc in zip(cheap, cheap_correct)),
+        cost=routing_cost(share, cost_cheap), cost_with_classifier=routing_cost(share, cost_cheap, True))
 
 
-def routing_prompts(tokenizer, per_kind: int = 16, seed: int = 0) -> list[tuple[str, list[int]]]:
-    """A labelled prompt set made in code: ('easy', ids) pattern completions a small model can copy,
-    ('hard', ids) arithmetic, word problems and open questions in the chat template. The label says
-    what was meant; the ground truth for routing is agreement with the full model, measured."""
-    import random
+def candidate_thresholds(confidences: Sequence[float]) -> list[float]:
+    """Every threshold that changes the routing: 0 and each distinct confidence, ascending."""
+    return sorted({0.0} | {float(c) for c in confidences if c is not None and not math.isnan(c)})
 
-    rng = random.Random(seed)
-    easy = ["Monday, Tuesday, Wednesday, Thursday,", "January, February, March, April,",
-            "red, orange, yellow, green,", "one, two, three, four, five,", "A, B, C, D, E, F,",
-            "The quick brown fox jumps over the", "Twinkle, twinkle, little star, how I wonder",
-            "Happy birthday to you, happy birthday to you, happy birthday"]
-    while len(easy) < per_kind:
-        n, step = rng.randint(1, 90), rng.choice([1, 2, 5, 10])
-        words = rng.sample(["apple", "river", "stone", "cloud", "green", "table", "music", "light"], 3)
-        easy.append(rng.choice([", ".join(str(n + i * step) for i in range(5)) + ",",
-                                " ".join(words * 3) + " " + words[0]]))
-    chat = lambda q: tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                   add_generation_prompt=True)
-    hard = [chat(q) for q in ["Explain in detail why the sky is blue and sunsets are red.",
-                              "Compare Python and Rust for writing an operating system kernel.",
-                              "Write a proof that there are infinitely many prime numbers.",
-                              "What would happen to the tides if the moon were twice as far away?"]]
-    while len(hard) < per_kind:
-        a, b, c = rng.randint(12, 99), rng.randint(12, 99), rng.randint(2, 40)
-        hard.append(chat(rng.choice([f"What is {a} * {b} + {c}? Show each step.",
-                                     f"Tom has {a} apples, buys {b} more and gives {c} away. How many are left?",
-                                     f"A train covers {a} km in {c} minutes. What is its speed in km per hour?"])))
-    return [("easy", tokenizer(p)["input_ids"]) for p in easy] + [("hard", tokenizer(p)["input_ids"]) for p in hard]
+
+def threshold_sweep(confidences: Sequence[float], cheap_correct: Sequence[bool], full_correct: Sequence[bool],
+                    cost_cheap: float, thresholds: Optional[Sequence[float]] = None) -> list[RoutingResult]:
+    """evaluate_routing at each threshold (default: `candidate_thresholds`), in the order given."""
+    thresholds = candidate_thresholds(confidences) if thresholds is None else thresholds
+    return [evaluate_routing(confidences, cheap_correct, full_correct, t, cost_cheap) for t in thresholds]
+
+
+def cheapest_threshold(confidences: Sequence[float], cheap_correct: Sequence[bool], full_correct: Sequence[bool],
+                       target_accuracy: float) -> Optional[float]:
+    """The lowest candidate threshold (the most requests served cheap, so the lowest cost) whose
+    accuracy is at least target_accuracy; None when no threshold that routes anything cheap meets it."""
+    if not 0.0 <= target_accuracy <= 1.0:
+        raise ValueError(f"target_accuracy must be in [0, 1], got {target_accuracy!r}")
+    for t in candidate_thresholds(confidences):
+        if evaluate_routing(confidences, cheap_correct, full_correct, t, 0.0).accuracy >= target_accuracy:
+            return t
+    return None
+
+
+def separation_auc(confidences: Sequence[float], correct: Sequence[bool]) -> float:
+    """The chance that a right answer is more confident than a wrong one (ties count half): the
+    area under the ROC curve. 0.5 means the signal does not separate; 1.0 separates perfectly."""
+    right = [c for c, ok in zip(confidences, correct) if ok]
+    wrong = [c for c, ok in zip(confidences, correct) if not ok]
+    if len(confidences) != len(correct) or not right or not wrong:
+        raise ValueError("separation_auc needs confidences and correct of the same length, with at least one right "
+                         f"and one wrong answer (got {len(right)} right, {len(wrong)} wrong)")
+    wins = sum((r > w) + 0.5 * (r == w) for r in right for w in wrong)
+    return wins / (len(right) * len(wrong))
 
 
 class Router:
     """Answer with the cheap model when it is confident, else escalate to the full model."""
 
-    def __init__(self, cheap: LlamaModel, full: LlamaModel, threshold: float, max_tokens: int = 8) -> None:
+    def __init__(self, cheap: LlamaModel, full: LlamaModel, threshold: float, signal: str = "min_prob",
+                 max_tokens: int = 16, stop_token_ids: Sequence[int] = ()) -> None:
         route(0.0, threshold)  # validates the threshold
-        self.cheap, self.full, self.threshold, self.max_tokens = cheap, full, threshold, max_tokens
+        Answer([], [], []).confidence(signal)  # validates the signal
+        self.cheap, self.full, self.threshold, self.signal = cheap, full, threshold, signal
+        self.max_tokens, self.stop_token_ids = max_tokens, tuple(stop_token_ids)
 
-    def answer(self, prompt_ids: list[int], max_tokens: Optional[int] = None) -> tuple[str, Answer]:
+    def answer(self, prompt_ids: list[int]) -> tuple[str, Answer]:
         """('cheap' | 'full', the answer served)."""
-        n = max_tokens or self.max_tokens
-        attempt = greedy_answer(self.cheap, prompt_ids, n)
-        if route(attempt.confidence, self.threshold) == "cheap":
+        attempt = greedy_answer(self.cheap, prompt_ids, self.max_tokens, self.stop_token_ids)
+        if route(attempt.confidence(self.signal), self.threshold) == "cheap":
             return "cheap", attempt
-        return "full", greedy_answer(self.full, prompt_ids, n)
+        return "full", greedy_answer(self.full, prompt_ids, self.max_tokens, self.stop_token_ids)
+
+
+CHEAP_MODELS = ("int4-awq", "int8", "first-24-layers", "distilled-draft")
+
+
+def build_cheap_model(name: str, target: LlamaModel, tokenizer) -> LlamaModel:
+    """A cheap stand-in for `target` (left untouched), by name:
+    int4-awq         the target's weights in int4 with activation-aware scales (chapter 06)
+    int8             the target's weights in int8, one scale per output channel
+    first-24-layers  the target cut after 24 of its 30 layers (its final norm and head kept)
+    distilled-draft  the two-layer draft distilled from the target (`minfer/drafts`, chapter 08)"""
+    import copy
+
+    from minfer.quant.awq import calibration_token_ids
+    from minfer.quant.linear import quantize_model
+    from minfer.spec.distill import init_draft_from_target, load_draft
+
+    weight = target.embed_tokens.weight
+    if name == "int4-awq":
+        return quantize_model(copy.deepcopy(target), "awq", calibration_token_ids=calibration_token_ids(tokenizer))
+    if name == "int8":
+        return quantize_model(copy.deepcopy(target), "int8")
+    if name == "first-24-layers":
+        return init_draft_from_target(target, list(range(24)), target.config.intermediate_size,
+                                      torch.arange(target.config.vocab_size, device=weight.device))
+    if name == "distilled-draft":
+        return load_draft("smollm2-135m-draft", target, weight.dtype, weight.device)
+    raise ValueError(f"cheap model must be one of {CHEAP_MODELS}, got {name!r}")
+
+
+@dataclass
+class RouterStudy:
+    """One cheap model against the full model on a graded task set (rows of `minfer.router_tasks.answer_tasks`)."""
+    name: str
+    cost_ratio: float  # c: one cheap decode step / one full decode step
+    cheap_rows: list[dict]
+    full_rows: list[dict]
+    signal: str = "min_prob"  # the signal the operating point uses: the cheapest one at the full model's accuracy
+
+    @property
+    def cheap_correct(self) -> list[bool]:
+        return [r["correct"] for r in self.cheap_rows]
+
+    @property
+    def full_correct(self) -> list[bool]:
+        return [r["correct"] for r in self.full_rows]
+
+    @property
+    def accuracy(self) -> float:
+        return sum(self.cheap_correct) / len(self.cheap_rows)
+
+    @property
+    def full_accuracy(self) -> float:
+        return sum(self.full_correct) / len(self.full_rows)
+
+    def confidences(self, signal: Optional[str] = None) -> list[float]:
+        return [r[signal or self.signal] for r in self.cheap_rows]
+
+    def auc(self, signal: str) -> Optional[float]:
+        """separation_auc of the signal, None when the cheap model is always right or always wrong."""
+        if all(self.cheap_correct) or not any(self.cheap_correct):
+            return None
+        return separation_auc(self.confidences(signal), self.cheap_correct)
+
+    def operating_point_for(self, signal: str) -> RoutingResult:
+        """The cheapest threshold whose accuracy is the full model's; everything full when none is."""
+        threshold = cheapest_threshold(self.confidences(signal), self.cheap_correct, self.full_correct,
+                                       self.full_accuracy)
+        if threshold is None:  # no threshold that sends anything cheap keeps accuracy: escalate all
+            return evaluate_routing([0.0] * len(self.cheap_rows), self.cheap_correct, self.full_correct, 1.0,
+                                    self.cost_ratio)
+        return evaluate_routing(self.confidences(signal), self.cheap_correct, self.full_correct, threshold,
+                                self.cost_ratio)
+
+    @property
+    def operating_point(self) -> RoutingResult:
+        return self.operating_point_for(self.signal)
+
+    def sweep(self) -> list[RoutingResult]:
+        return threshold_sweep(self.confidences(), self.cheap_correct, self.full_correct, self.cost_ratio)
+
+    def sweep_table(self, rows: int = 12) -> list[RoutingResult]:
+        """About `rows` points of the sweep, evenly spread over the share routed cheap, plus the operating point."""
+        sweep = self.sweep()
+        picked = {round(i * (len(sweep) - 1) / (rows - 1)) for i in range(rows)}
+        table = [r for i, r in enumerate(sweep) if i in picked]
+        op = self.operating_point
+        if all(r.threshold != op.threshold for r in table):
+            table = sorted(table + [op], key=lambda r: r.threshold)
+        return table
+
+    def routed_cheap(self, result: RoutingResult) -> list[bool]:
+        """Which requests `result` serves cheap (none when it escalates everything)."""
+        if result.share_cheap == 0:
+            return [False] * len(self.cheap_rows)
+        return [route(c, result.threshold) == "cheap" for c in self.confidences()]
+
+    def timed_cost(self, result: RoutingResult) -> float:
+        """Measured: seconds of every cheap attempt plus the escalated full answers, over the seconds of the
+        full model answering everything."""
+        cheap_s = sum(r["seconds"] for r in self.cheap_rows)
+        full_s = sum(r["seconds"] for r, cheap in zip(self.full_rows, self.routed_cheap(result)) if not cheap)
+        return (cheap_s + full_s) / sum(r["seconds"] for r in self.full_rows)
+
+    def by_kind(self) -> dict[str, dict]:
+        """Per task kind at the operating point: counts of tasks, right answers, requests routed cheap."""
+        kinds: dict[str, dict] = {}
+        for go_cheap, cheap, full in zip(self.routed_cheap(self.operating_point), self.cheap_rows, self.full_rows):
+            k = kinds.setdefault(cheap["kind"], dict.fromkeys(
+                ["n", "full_right", "cheap_right", "routed_cheap", "served_right"], 0))
+            k["n"] += 1
+            k["full_right"] += full["correct"]
+            k["cheap_right"] += cheap["correct"]
+            k["routed_cheap"] += go_cheap
+            k["served_right"] += cheap["correct"] if go_cheap else full["correct"]
+        return kinds
+
+    def summary(self) -> dict:
+        op = self.operating_point
+        return {"accuracy": self.accuracy, "cost_ratio": self.cost_ratio,
+                "auc": {s: self.auc(s) for s in SIGNALS}, "signal": self.signal,
+                "operating_threshold": op.threshold, "operating_share_cheap": op.share_cheap,
+                "operating_cost": op.cost_with_classifier, "timed_cost": self.timed_cost(op)}
+
+
+def cheapest_study(studies: Sequence[RouterStudy]) -> RouterStudy:
+    """The cheap model whose operating point costs least, counting the cheap attempt every request pays."""
+    return min(studies, key=lambda s: s.operating_point.cost_with_classifier)
+
+
+def study_router(name: str, cheap: LlamaModel, full: LlamaModel, cheap_rows: list[dict], full_rows: list[dict],
+                 repeats: int = 20) -> RouterStudy:
+    """Measure c, then pick the signal whose operating point costs least (ties: the best-separating one)."""
+    from minfer.bench.spec import cost_ratio
+
+    study = RouterStudy(name, cost_ratio(cheap, full, repeats=repeats), cheap_rows, full_rows)
+    study.signal = min(SIGNALS, key=lambda s: (study.operating_point_for(s).cost_with_classifier,
+                                               -(study.auc(s) or 0.0)))
+    return study

@@ -1,4 +1,4 @@
-"""Chapter 08, worked: a distilled draft with a small head, and a router with an escalation rule."""
+"""Chapter 08, worked: a distilled draft with a small head, and a router: its escalation rule, cost, and threshold."""
 from __future__ import annotations
 
 import math
@@ -66,3 +66,41 @@ def routing_cost(share_cheap: float, cost_cheap: float) -> float:
     if cost_cheap < 0:
         raise ValueError(f"cost_cheap must be >= 0, got {cost_cheap!r}")
     return share_cheap * cost_cheap + (1.0 - share_cheap)
+
+
+def threshold_sweep(confidences: list[float], cheap_correct: list[bool], full_correct: list[bool],
+                    thresholds: list[float]) -> list[tuple[float, float]]:
+    """For each threshold, in the order given: (share of requests routed cheap, accuracy served).
+
+    Request i goes cheap when route(confidences[i], threshold) == 'cheap' (so a NaN confidence
+    escalates); the answer served is then right when cheap_correct[i], else when full_correct[i].
+    Accuracy is the share of all requests whose served answer is right. Raise ValueError unless the
+    three lists are non-empty and of the same length.
+    """
+    if not confidences or not len(confidences) == len(cheap_correct) == len(full_correct):
+        raise ValueError("confidences, cheap_correct and full_correct must be non-empty and of the same length")
+    results = []
+    for threshold in thresholds:
+        cheap = [route(c, threshold) == "cheap" for c in confidences]
+        right = [cc if go else fc for go, cc, fc in zip(cheap, cheap_correct, full_correct)]
+        results.append((sum(cheap) / len(cheap), sum(right) / len(right)))
+    return results
+
+
+def cheapest_threshold(confidences: list[float], cheap_correct: list[bool], full_correct: list[bool],
+                       target_accuracy: float) -> float | None:
+    """The lowest threshold that still serves at least target_accuracy, or None.
+
+    The candidates are 0.0 and every distinct (non-NaN) confidence: no other threshold changes the
+    routing. A lower threshold routes more requests cheap, so the lowest candidate that meets the
+    target is the cheapest. Return None when none does (then escalate everything). Raise ValueError
+    unless 0 <= target_accuracy <= 1.
+    """
+    if not 0.0 <= target_accuracy <= 1.0:
+        raise ValueError(f"target_accuracy must be in [0, 1], got {target_accuracy!r}")
+    candidates = sorted({0.0} | {c for c in confidences if c is not None and not math.isnan(c)})
+    for threshold, (_, accuracy) in zip(candidates, threshold_sweep(confidences, cheap_correct, full_correct,
+                                                                    candidates)):
+        if accuracy >= target_accuracy:
+            return threshold
+    return None

@@ -68,3 +68,47 @@ def test_routing_cost(impl):
         impl.routing_cost(-0.1, 0.1)
     with pytest.raises(ValueError):
         impl.routing_cost(0.5, -0.1)
+
+
+CONFIDENCES = [0.9, 0.8, 0.3, 0.95, 0.1, float("nan")]
+CHEAP_RIGHT = [True, False, True, True, False, True]
+FULL_RIGHT = [True, True, True, False, True, False]
+
+
+def flat(pairs: list[tuple[float, float]]) -> list[float]:
+    return [x for pair in pairs for x in pair]
+
+
+def test_threshold_sweep_by_hand_and_against_minfer(impl):
+    thresholds = [0.0, 0.3, 0.85, 1.0]
+    # t=0: all but the NaN one cheap (5/6); right: 0.9, 0.3, 0.95 cheap and the NaN one full (wrong) -> 3/6
+    # t=0.3: the 0.1 one escalates (full right) -> 4/6; t=0.85: the wrong 0.8 one escalates too -> 5/6
+    # t=1.0: everything full: right except the 0.95 and NaN ones -> 4/6
+    assert flat(impl.threshold_sweep(CONFIDENCES, CHEAP_RIGHT, FULL_RIGHT, thresholds)) == pytest.approx(
+        flat([(5 / 6, 3 / 6), (4 / 6, 4 / 6), (2 / 6, 5 / 6), (0.0, 4 / 6)]))
+    g = torch.Generator().manual_seed(0)
+    confidences = torch.rand(60, generator=g).tolist()
+    cheap_right = (torch.rand(60, generator=g) < torch.tensor(confidences)).tolist()  # confident ones tend to be right
+    full_right = (torch.rand(60, generator=g) < 0.8).tolist()
+    thresholds = [i / 20 for i in range(21)]
+    expected = [(r.share_cheap, r.accuracy)
+                for r in router.threshold_sweep(confidences, cheap_right, full_right, 0.3, thresholds)]
+    assert flat(impl.threshold_sweep(confidences, cheap_right, full_right, thresholds)) == pytest.approx(flat(expected))
+    with pytest.raises(ValueError):
+        impl.threshold_sweep([0.5], [True, False], [True], [0.5])
+
+
+def test_cheapest_threshold_for_a_target_accuracy(impl):
+    assert impl.cheapest_threshold(CONFIDENCES, CHEAP_RIGHT, FULL_RIGHT, 0.5) == 0.0
+    assert impl.cheapest_threshold(CONFIDENCES, CHEAP_RIGHT, FULL_RIGHT, 0.6) == 0.3  # 4/6 >= 0.6
+    assert impl.cheapest_threshold(CONFIDENCES, CHEAP_RIGHT, FULL_RIGHT, 0.8) == 0.9  # 0.8 itself routes 0.8 cheap
+    assert impl.cheapest_threshold(CONFIDENCES, CHEAP_RIGHT, FULL_RIGHT, 0.9) is None
+    g = torch.Generator().manual_seed(1)
+    confidences = torch.rand(40, generator=g).tolist()
+    cheap_right = (torch.rand(40, generator=g) < torch.tensor(confidences)).tolist()
+    full_right = (torch.rand(40, generator=g) < 0.85).tolist()
+    for target in (0.5, 0.7, 0.8, 0.9, 0.95):
+        assert impl.cheapest_threshold(confidences, cheap_right, full_right, target) == router.cheapest_threshold(
+            confidences, cheap_right, full_right, target)
+    with pytest.raises(ValueError):
+        impl.cheapest_threshold(CONFIDENCES, CHEAP_RIGHT, FULL_RIGHT, 1.5)

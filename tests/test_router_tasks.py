@@ -1,0 +1,44 @@
+"""The router's labelled task set: enough tasks, reproducible, and checkers that accept right answers only."""
+import pytest
+
+from minfer.router_tasks import Task, make_tasks, task_prompt_ids
+
+
+def test_the_set_is_large_reproducible_and_its_answers_are_right():
+    tasks = make_tasks(per_kind=10, seed=0)
+    assert len(tasks) >= 100
+    assert tasks == make_tasks(per_kind=10, seed=0) and tasks != make_tasks(per_kind=10, seed=1)
+    assert len({t.kind for t in tasks}) == 12
+    for t in tasks:  # the expected result is what the question asks for
+        if t.kind.startswith(("add", "multiply")):
+            a, sign, b = t.question.removeprefix("What is ").split("?")[0].split()
+            assert int(t.expected) == (int(a) + int(b) if sign == "+" else int(a) * int(b))
+        assert t.check(t.expected) and t.check(f"The answer is {t.expected}.")
+    with pytest.raises(ValueError, match="per_kind"):
+        make_tasks(per_kind=0)
+
+
+def test_number_checker():
+    task = Task("add 3-digit", "What is 512 + 722? Answer with the number only.", "1234", "number")
+    for right in ["1234", "512 + 722 = 1234", "The answer is 1,234.", "1 234"]:
+        assert task.check(right), right
+    for wrong in ["12345", "234", "11234", "1234.5", "1233", ""]:
+        assert not task.check(wrong), wrong
+
+
+def test_word_checkers():
+    capital = Task("capital city", "What is the capital of France?", "Paris", "word")
+    assert capital.check("The capital of France is Paris.") and capital.check("paris")
+    assert not capital.check("Parisian cafes") and not capital.check("Lyon")
+    shout = Task("capitals", "Write the word 'river' in capital letters.", "RIVER", "word_exact_case")
+    assert shout.check("RIVER") and shout.check('"RIVER"')
+    assert not shout.check("river") and not shout.check("River") and not shout.check("RIVERS")
+    with pytest.raises(ValueError, match="match"):
+        Task("x", "q", "a", "fuzzy")
+
+
+def test_prompts_use_the_chat_template(llm):
+    task = make_tasks(1)[0]
+    ids = task_prompt_ids(llm.tokenizer, task)
+    text = llm.tokenizer.decode(ids)
+    assert task.question in text and text.rstrip().endswith("assistant")
