@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -43,14 +44,15 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads)
     with quiet():
         llm = LLM(args.model, dtype=args.dtype, device=args.device, enable_prefix_caching=False)
+    clock = args.clock or ("cpu" if args.device == "cpu" else "wall")
     ks = args.ks or ([2, 4] if args.quick else [1, 2, 4, 6])
     n, max_tokens = (1, 24) if args.quick else (args.num_prompts, args.max_tokens)
     tasks = {"grounded": grounded_prompts(llm, n), "chat": chat_prompts(llm, n)}
     result = {"machine": machine_info(args.device), "model": args.model, "dtype": args.dtype, "ks": ks,
-              "num_prompts": n, "max_tokens": max_tokens, "rows": [], "skipped": {}, "cost_ratio": {}}
+              "num_prompts": n, "max_tokens": max_tokens, "clock": clock, "rows": [], "skipped": {}, "cost_ratio": {}}
     # v: how much more a pass over k+1 positions costs than a pass over one (the formula assumes: nothing)
-    result["verify_cost"] = verify_costs(llm.model, ks, repeats=20)
-    one = forward_cost(llm.model, 256, 1)  # a target step, to express lookup time in steps
+    result["verify_cost"] = verify_costs(llm.model, ks, repeats=20, clock=clock)
+    one = forward_cost(llm.model, 256, 1, clock=clock)  # a target step, to express lookup time in steps
     proposers = {}
     for name in PROPOSERS:
         try:
@@ -60,21 +62,23 @@ def run(args) -> dict:
             print(f"skipping {name}: {exc}", file=sys.stderr)
             continue
         model = getattr(proposers[name], "model", None)
-        result["cost_ratio"][name] = cost_ratio(model, llm.model) if model is not None else 0.0
+        result["cost_ratio"][name] = cost_ratio(model, llm.model, clock=clock) if model is not None else 0.0
     for task, prompts in tasks.items():
-        base = decode_rate(llm, prompts, max_tokens)
-        result["rows"].append({"task": task, "proposer": "none", "k": 0, "tokens_per_s": base["tokens_per_s"],
-                               "speedup": 1.0})
-        print(f"{task:9s} none        {base['tokens_per_s']:7.1f} tok/s", file=sys.stderr)
+        plain_rates, none_row = [], {"task": task, "proposer": "none", "k": 0, "speedup": 1.0}
+        result["rows"].append(none_row)
         for name, proposer in proposers.items():
             for k in ks:
-                r = decode_rate(llm, prompts, max_tokens, proposer, k)
+                # plain decoding timed right before each configuration: on a shared machine the load
+                # drifts, and a speedup is only as good as the pair it divides
+                base = decode_rate(llm, prompts, max_tokens, clock=clock)
+                r = decode_rate(llm, prompts, max_tokens, proposer, k, clock=clock)
+                plain_rates.append(base["tokens_per_s"])
                 spec, c, v = r["spec"], result["cost_ratio"][name], result["verify_cost"][k]
                 if name == "[ngram]":  # lookup costs no model step; count its measured time anyway
                     c = spec["draft_time_s"] / max(1, spec["num_draft_tokens"]) / one
                 alpha = spec["alpha"]
                 row = {"task": task, "proposer": name, "k": k, "tokens_per_s": r["tokens_per_s"],
-                       "speedup": r["tokens_per_s"] / base["tokens_per_s"],
+                       "plain_tokens_per_s": base["tokens_per_s"], "speedup": r["tokens_per_s"] / base["tokens_per_s"],
                        "draft_acceptance_rate": spec["draft_acceptance_rate"],
                        "mean_acceptance_length": spec["mean_acceptance_length"],
                        "acceptance_rate_per_position": spec["acceptance_rate_per_position"], "alpha": alpha,
@@ -82,9 +86,12 @@ def run(args) -> dict:
                        "predicted_with_verify_cost": expected_speedup(alpha, k, c, v),
                        "same_tokens_as_plain": r["token_ids"] == base["token_ids"]}
                 result["rows"].append(row)
-                print(f"{task:9s} {name:11.11s} k={k} {row['tokens_per_s']:7.1f} tok/s  x{row['speedup']:.2f} "
+                print(f"{task:9s} {name:11.11s} k={k} {row['tokens_per_s']:7.1f} tok/s (plain {base['tokens_per_s']:.1f}) "
+                      f"x{row['speedup']:.2f} "
                       f"(predicted x{row['predicted']:.2f}, with v x{row['predicted_with_verify_cost']:.2f}; "
                       f"alpha {alpha:.2f}, c {c:.3f}, v {v:.2f})", file=sys.stderr)
+        none_row["tokens_per_s"] = (statistics.median(plain_rates) if plain_rates
+                                    else decode_rate(llm, prompts, max_tokens, clock=clock)["tokens_per_s"])
     result["targets"] = []
     for (task, name), goal in TARGETS.items():
         rows = [r for r in result["rows"] if r["task"] == task and r["proposer"] == name]
@@ -104,18 +111,21 @@ def format_markdown(result: dict, command: str) -> str:
              "decode step): " + ", ".join(f"{k} {v:.3f}" for k, v in result["cost_ratio"].items()) + ". Verify cost v (a "
              "target pass over k+1 positions / a pass over one): " +
              ", ".join(f"{v:.2f} (k={k})" for k, v in result["verify_cost"].items()) + "; the formula assumes 1.", "",
-             "| task | proposer | k | tokens/s | speedup | draft_acceptance_rate | mean_acceptance_length | alpha | "
-             "predicted (v = 1) | predicted (measured v) | same tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| task | proposer | k | tokens/s | plain tokens/s | speedup | draft_acceptance_rate | "
+             "mean_acceptance_length | alpha | predicted (v = 1) | predicted (measured v) | same tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         if r["proposer"] == "none":
-            lines.append(f"| {r['task']} | none | - | {r['tokens_per_s']:.1f} | 1.00x | - | - | - | - | - | - |")
+            lines.append(f"| {r['task']} | none | - | {r['tokens_per_s']:.1f} (median) | - | 1.00x | - | - | - | - | - | - |")
         else:
-            lines.append(f"| {r['task']} | {r['proposer']} | {r['k']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+            lines.append(f"| {r['task']} | {r['proposer']} | {r['k']} | {r['tokens_per_s']:.1f} | "
+                         f"{r['plain_tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
                          f"{r['draft_acceptance_rate']:.2f} | {r['mean_acceptance_length']:.2f} | {r['alpha']:.2f} | "
                          f"{r['predicted']:.2f}x | {r['predicted_with_verify_cost']:.2f}x | "
                          f"{'yes' if r['same_tokens_as_plain'] else 'no'} |")
-    lines += ["", "draft_acceptance_rate and mean_acceptance_length are vLLM's metrics. alpha is the formula's: the "
+    lines += ["", "Each speedup divides by plain decoding timed on the same prompts just before (plain tokens/s): "
+              "the machine is shared and its load drifts. " + CLOCK_NOTE[result["clock"]] + " "
+              "draft_acceptance_rate and mean_acceptance_length are vLLM's metrics. alpha is the formula's: the "
               "chance that a draft token is accepted given that the ones before it were, estimated by maximum "
               "likelihood as accepted / (accepted + rejections) (minfer/spec/stats.py). draft_acceptance_rate is "
               "smaller and falls with k, because a late draft token only counts once every earlier one was accepted. "
@@ -164,6 +174,10 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+CLOCK_NOTE = {"cpu": "Times are this process's CPU seconds (one thread, no I/O: what wall time would be on an idle "
+                     "machine; wall time would also count the other programs' turns on the shared cores).",
+              "wall": "Times are wall-clock seconds."}
+
 INTRO = ("Batch-1 decoding with speculation: n-gram prompt lookup and draft models, measured speedup beside the "
          "formula (1 - alpha^(k+1)) / ((1 - alpha)(v + k c)) with the measured per-token acceptance alpha, draft cost "
          "ratio c and verify cost v (v = 1 in Leviathan et al., 2023). "
@@ -177,8 +191,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16 (faster at batch 1 on this CPU) or float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--num-prompts", type=int, default=3, help="prompts per task (full run)")
-    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--clock", choices=["cpu", "wall"], help="what the timings count: this process's CPU time "
+                        "(default on a CPU device, with one thread: immune to other programs sharing the machine) "
+                        "or wall time (default elsewhere)")
+    parser.add_argument("--num-prompts", type=int, default=2, help="prompts per task (full run)")
+    parser.add_argument("--max-tokens", type=int, default=80)
     parser.add_argument("--ks", type=int, nargs="+", help="draft lengths (default 1 2 4 6)")
     parser.add_argument("--json", dest="json_path")
     parser.add_argument("--plot")

@@ -1,4 +1,5 @@
-"""Chapter 07: speculative decoding, the acceptance rule, n-gram lookup and the expected speedup.
+"""Chapter 07: speculative decoding, the acceptance rule, n-gram lookup, the expected speedup and the
+acceptance alpha it needs.
 
 Fill in each function (replace `raise NotImplementedError`), then run `check("ch07")` in the
 notebook.
@@ -55,5 +56,18 @@ def ngram_propose(token_ids: list[int], k: int, max_n: int = 4, min_n: int = 1) 
 def expected_speedup(alpha: float, k: int, c: float) -> float:
     """(1 - alpha^(k+1)) / ((1 - alpha)(1 + k c)): expected tokens per pass over the pass's cost,
     in target steps. alpha = 1 gives (k + 1) / (1 + k c).
+    """
+    raise NotImplementedError("write me")
+
+
+def estimate_alpha(num_drafted: list[int], num_accepted: list[int]) -> float:
+    """The per-token acceptance alpha of the expected-tokens formula, from verification passes.
+
+    Pass i checked num_drafted[i] draft tokens and accepted the first num_accepted[i] of them.
+    Model a pass as one Bernoulli(alpha) trial per draft token, in order, stopping at the first
+    rejection or at the end of the draft (a pass that accepted all its drafts saw no rejection).
+    Return the alpha that maximizes the probability of all the observed passes; 0.0 when they hold
+    no trial. Raise ValueError when the two lists differ in length or some num_accepted[i] is not
+    an integer in [0, num_drafted[i]].
     """
     raise NotImplementedError("write me")

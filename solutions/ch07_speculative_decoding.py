@@ -72,3 +72,28 @@ def expected_speedup(alpha: float, k: int, c: float) -> float:
     """
     tokens = k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
     return tokens / (1 + k * c)
+
+
+def estimate_alpha(num_drafted: list[int], num_accepted: list[int]) -> float:
+    """The per-token acceptance alpha of the expected-tokens formula, from verification passes.
+
+    Pass i checked num_drafted[i] draft tokens and accepted the first num_accepted[i] of them.
+    Model a pass as one Bernoulli(alpha) trial per draft token, in order, stopping at the first
+    rejection or at the end of the draft (a pass that accepted all its drafts saw no rejection).
+    Return the alpha that maximizes the probability of all the observed passes; 0.0 when they hold
+    no trial. Raise ValueError when the two lists differ in length or some num_accepted[i] is not
+    an integer in [0, num_drafted[i]].
+    """
+    if len(num_drafted) != len(num_accepted):
+        raise ValueError(f"num_drafted and num_accepted must have one entry per pass, got {len(num_drafted)} and "
+                         f"{len(num_accepted)}")
+    accepted = rejections = 0
+    for i, (drafted, kept) in enumerate(zip(num_drafted, num_accepted)):
+        if not isinstance(kept, int) or not 0 <= kept <= drafted:
+            raise ValueError(f"pass {i}: num_accepted must be an integer in [0, num_drafted] = [0, {drafted}], got {kept!r}")
+        accepted += kept
+        rejections += kept < drafted
+    # the passes' probability is alpha^accepted (1 - alpha)^rejections: its maximum is at
+    # accepted / (accepted + rejections)
+    trials = accepted + rejections
+    return accepted / trials if trials else 0.0

@@ -28,6 +28,8 @@ from minfer.sampling_params import SamplingParams
 from minfer.spec.proposer import Proposer
 from minfer.spec.stats import SpecDecodeStats, expected_tokens_per_pass
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # "cpu": for a CPU device, see decode_rate
+
 
 def expected_speedup(alpha: float, k: int, c: float, verify_cost: float = 1.0) -> float:
     """Expected tokens per pass over the pass's cost in target steps: k draft steps of c each, and
@@ -38,10 +40,13 @@ def expected_speedup(alpha: float, k: int, c: float, verify_cost: float = 1.0) -
 
 
 @torch.inference_mode()
-def forward_costs(model: LlamaModel, context_len: int, token_counts: list[int], repeats: int = 10) -> list[float]:
+def forward_costs(model: LlamaModel, context_len: int, token_counts: list[int], repeats: int = 10,
+                  clock: str = "wall") -> list[float]:
     """Median seconds of a batch-1 forward pass over each of token_counts new tokens after
     context_len cached ones. The counts take turns, repeat after repeat, so that a change in the
-    machine's load hits them all alike."""
+    machine's load hits them all alike. clock: "wall", or "cpu" (this process's CPU time; see
+    `decode_rate`)."""
+    now = CLOCKS[clock]
     weight = model.embed_tokens.weight
     longest = max(token_counts)
     cache = KVCache(model.config, 1, context_len + longest, weight.dtype, weight.device)
@@ -52,48 +57,71 @@ def forward_costs(model: LlamaModel, context_len: int, token_counts: list[int], 
         for i, n in enumerate(token_counts):
             cache.length = context_len
             positions = torch.arange(context_len, context_len + n, device=weight.device)[None]
-            start = time.perf_counter()
+            start = now()
             model(ids[:, context_len:context_len + n], positions, cache)
             synchronize(weight.device)
-            times[i].append(time.perf_counter() - start)
+            times[i].append(now() - start)
     return [statistics.median(t[1:]) for t in times]
 
 
-def forward_cost(model: LlamaModel, context_len: int, num_tokens: int = 1, repeats: int = 10) -> float:
+def forward_cost(model: LlamaModel, context_len: int, num_tokens: int = 1, repeats: int = 10,
+                 clock: str = "wall") -> float:
     """Median seconds of one batch-1 forward pass over num_tokens new tokens after context_len cached ones."""
-    return forward_costs(model, context_len, [num_tokens], repeats)[0]
+    return forward_costs(model, context_len, [num_tokens], repeats, clock)[0]
 
 
-def verify_costs(model: LlamaModel, ks: list[int], context_len: int = 256, repeats: int = 10) -> dict[int, float]:
+def verify_costs(model: LlamaModel, ks: list[int], context_len: int = 256, repeats: int = 10,
+                 clock: str = "wall") -> dict[int, float]:
     """v for each k: a batch-1 pass over k+1 new positions / a pass over one, timed side by side."""
-    costs = forward_costs(model, context_len, [1] + [k + 1 for k in ks], repeats)
+    costs = forward_costs(model, context_len, [1] + [k + 1 for k in ks], repeats, clock)
     return {k: cost / costs[0] for k, cost in zip(ks, costs[1:])}
 
 
-def cost_ratio(draft: LlamaModel, target: LlamaModel, context_len: int = 256, repeats: int = 10) -> float:
+def cost_ratio(draft: LlamaModel, target: LlamaModel, context_len: int = 256, repeats: int = 10,
+               clock: str = "wall") -> float:
     """c = one draft decode step / one target decode step, at batch 1."""
-    return forward_cost(draft, context_len, 1, repeats) / forward_cost(target, context_len, 1, repeats)
+    return (forward_cost(draft, context_len, 1, repeats, clock) /
+            forward_cost(target, context_len, 1, repeats, clock))
 
 
-def decode_rate(llm, prompts: list, max_tokens: int, proposer: Optional[Proposer] = None, k: int = 0) -> dict:
+def decode_rate(llm, prompts: list, max_tokens: int, proposer: Optional[Proposer] = None, k: int = 0,
+                clock: str = "wall") -> dict:
     """Greedy-generate each prompt alone (batch 1) with `proposer` and k draft tokens (None: plain
     decoding) on llm's engine. Returns decode tokens/s (after the first token, which prefill
-    makes), the speculative metrics and the output ids. The engine's settings are restored after."""
+    makes), the speculative metrics and the output ids. The engine's settings are restored after.
+
+    clock "wall": the decode phase's wall time, from the requests' own timestamps. clock "cpu"
+    (CPU device, one thread): this process's CPU time for the whole request minus that of the same
+    prompt's prefill alone (a 1-token request). On a shared machine wall time also counts other
+    programs' turns on the core; CPU time does not, and for one thread without I/O it is what the
+    wall time would be on an idle machine."""
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
     engine = llm.engine
     saved = engine.proposer, engine.num_speculative_tokens, engine.spec_stats, engine.blocks.enable_prefix_caching
     engine.proposer, engine.num_speculative_tokens, engine.spec_stats = proposer, k, SpecDecodeStats()
     engine.blocks.enable_prefix_caching = False  # every run computes its prompt: no help from earlier runs
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    cpu_seconds = 0.0
     try:
         llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
         engine.spec_stats = SpecDecodeStats()
-        outputs = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
+        outputs = []
+        for prompt in prompts:
+            if clock == "cpu":  # the prefill alone: a 1-token request drafts nothing
+                start = time.process_time()
+                llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+                cpu_seconds -= time.process_time() - start
+            start = time.process_time()
+            outputs.append(llm.generate(prompt, params, use_tqdm=False)[0])
+            cpu_seconds += time.process_time() - start
         stats = engine.spec_stats
     finally:
         engine.proposer, engine.num_speculative_tokens, engine.spec_stats, engine.blocks.enable_prefix_caching = saved
     tokens = sum(o.metrics.num_output_tokens - 1 for o in outputs)
-    seconds = sum(o.metrics.finished_time - o.metrics.first_token_time for o in outputs)
-    return {"tokens_per_s": tokens / seconds, "decode_tokens": tokens, "seconds": seconds,
+    seconds = (cpu_seconds if clock == "cpu" else
+               sum(o.metrics.finished_time - o.metrics.first_token_time for o in outputs))
+    return {"tokens_per_s": tokens / seconds, "decode_tokens": tokens, "seconds": seconds, "clock": clock,
             "spec": stats.as_dict(), "token_ids": [o.outputs[0].token_ids for o in outputs]}
 
 

@@ -1,12 +1,12 @@
 """Chapter 07 checks: the acceptance rule (and that it is lossless), greedy verification, n-gram
-lookup and the expected-speedup formula."""
+lookup, the expected-speedup formula and the estimate of the acceptance alpha it needs."""
 import random
 from collections import Counter
 
 import pytest
 import torch
 
-from minfer.spec import ngram_lookup
+from minfer.spec import SpecDecodeStats, ngram_lookup
 
 
 def one_hot(token: int, vocab: int) -> torch.Tensor:
@@ -76,7 +76,32 @@ def test_ngram_propose(impl):
 
 
 def test_expected_speedup(impl):
-    assert impl.expected_speedup(0.8, 4, 0.05) == pytest.approx(3.3616 / 1.2)  # the notes' worked example
+    # k = 4, alpha = 0.8: 1 + 0.8 + 0.64 + 0.512 + 0.4096 = 3.3616 tokens per pass, for 1 + 4 * 0.05 steps
+    assert impl.expected_speedup(0.8, 4, 0.05) == pytest.approx(3.3616 / 1.2)
     assert impl.expected_speedup(0.5, 4, 0.05) == pytest.approx(1.9375 / 1.2)
     assert impl.expected_speedup(1.0, 3, 0.1) == pytest.approx(4 / 1.3)
     assert impl.expected_speedup(0.0, 6, 0.2) == pytest.approx(1 / 2.2)  # a useless draft only costs
+
+
+def test_estimate_alpha(impl):
+    # 4 accepted draft tokens; the second and third passes stopped at a rejection, the first ran out
+    assert impl.estimate_alpha([3, 3, 2], [3, 1, 0]) == pytest.approx(4 / 6)
+    assert impl.estimate_alpha([2, 2], [2, 2]) == 1.0 and impl.estimate_alpha([], []) == 0.0
+    rng = random.Random(0)
+    for alpha in (0.3, 0.75):  # passes whose draft tokens are accepted independently with a known alpha
+        drafted = [rng.randint(1, 5) for _ in range(20000)]
+        accepted = []
+        for k in drafted:
+            kept = 0
+            while kept < k and rng.random() < alpha:
+                kept += 1
+            accepted.append(kept)
+        assert impl.estimate_alpha(drafted, accepted) == pytest.approx(alpha, abs=0.02)
+        stats = SpecDecodeStats()  # the engine's estimate agrees
+        for k, kept in zip(drafted, accepted):
+            stats.record(k, kept)
+        assert impl.estimate_alpha(drafted, accepted) == pytest.approx(stats.alpha)
+        assert stats.draft_acceptance_rate < alpha - 0.05  # vLLM's rate is another quantity
+    for drafted, accepted in [([3, 2], [1]), ([3], [4]), ([3], [-1]), ([3], [1.5])]:
+        with pytest.raises(ValueError):
+            impl.estimate_alpha(drafted, accepted)
