@@ -91,7 +91,8 @@ def online_softmax_tile_triton(m: torch.Tensor, l: torch.Tensor, acc: torch.Tens
     m, l [rows]: each row's running maximum and running sum of exp(score - m) over the keys seen so
     far (-inf and 0 before the first tile); acc [rows, D]: the running sum of exp(score - m) * v;
     scores [rows, N]: the rows' scores against this tile's N keys, -inf where a key must not count;
-    v [N, D]: the tile's values. All float32 with contiguous rows. Every row must have a finite m or
+    v [N, D]: the tile's values. All float32; each row contiguous, rows possibly apart (pass the
+    strides: scores may be a slice of a wider score matrix). Every row must have a finite m or
     at least one finite score. Returns new tensors (m', l', acc'): the state over the keys seen so
     far plus this tile, so that acc' / l' is the softmax-weighted mean of all their values. Write
     the step itself as a @triton.jit function of (m, l, acc, scores, v) so the paged kernel can

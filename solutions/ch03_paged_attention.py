@@ -129,7 +129,7 @@ def online_softmax_step(m, l, acc, scores, v):
 
 @triton.jit
 def _online_softmax_tile_kernel(m_ptr, l_ptr, acc_ptr, scores_ptr, v_ptr, m_out_ptr, l_out_ptr, acc_out_ptr,
-                                n_keys, head_dim, stride_acc_row, stride_scores_row, stride_v_key,
+                                n_keys, head_dim, stride_acc_row, stride_scores_row, stride_v_key, stride_acc_out_row,
                                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0)
     keys = tl.arange(0, BLOCK_N)
@@ -140,11 +140,12 @@ def _online_softmax_tile_kernel(m_ptr, l_ptr, acc_ptr, scores_ptr, v_ptr, m_out_
     l = tl.load(l_ptr + row)
     acc = tl.load(acc_ptr + row * stride_acc_row + dims, mask=dim_ok, other=0.0)
     scores = tl.load(scores_ptr + row * stride_scores_row + keys, mask=key_ok, other=float("-inf"))
-    v = tl.load(v_ptr + keys[:, None] * stride_v_key + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+    v = tl.load(v_ptr + keys[:, None] * stride_v_key + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :],
+                other=0.0)
     m, l, acc = online_softmax_step(m, l, acc, scores, v)
     tl.store(m_out_ptr + row, m)
     tl.store(l_out_ptr + row, l)
-    tl.store(acc_out_ptr + row * stride_acc_row + dims, acc, mask=dim_ok)
+    tl.store(acc_out_ptr + row * stride_acc_out_row + dims, acc, mask=dim_ok)
 
 
 def online_softmax_tile_triton(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, scores: torch.Tensor,
@@ -154,7 +155,8 @@ def online_softmax_tile_triton(m: torch.Tensor, l: torch.Tensor, acc: torch.Tens
     m, l [rows]: each row's running maximum and running sum of exp(score - m) over the keys seen so
     far (-inf and 0 before the first tile); acc [rows, D]: the running sum of exp(score - m) * v;
     scores [rows, N]: the rows' scores against this tile's N keys, -inf where a key must not count;
-    v [N, D]: the tile's values. All float32 with contiguous rows. Every row must have a finite m or
+    v [N, D]: the tile's values. All float32; each row contiguous, rows possibly apart (pass the
+    strides: scores may be a slice of a wider score matrix). Every row must have a finite m or
     at least one finite score. Returns new tensors (m', l', acc'): the state over the keys seen so
     far plus this tile, so that acc' / l' is the softmax-weighted mean of all their values. Write
     the step itself as a @triton.jit function of (m, l, acc, scores, v) so the paged kernel can
@@ -162,15 +164,18 @@ def online_softmax_tile_triton(m: torch.Tensor, l: torch.Tensor, acc: torch.Tens
     """
     rows, n_keys = scores.shape if scores.dim() == 2 else (-1, -1)
     head_dim = v.shape[-1]
-    shapes_ok = (m.shape == l.shape == (rows,) and acc.shape == (rows, head_dim) and v.shape == (n_keys, head_dim))
-    if not shapes_ok or n_keys < 1 or any(t.dtype != torch.float32 or t.stride(-1) != 1 for t in (m, l, acc, scores, v)):
+    shapes_ok = m.shape == l.shape == (rows,) and acc.shape == (rows, head_dim) and v.shape == (n_keys, head_dim)
+    layouts_ok = all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in (m, l, acc, scores, v))
+    if not shapes_ok or not layouts_ok or n_keys < 1:
         raise ValueError("expected float32 m, l [rows], acc [rows, D], scores [rows, N >= 1], v [N, D] with contiguous "
                          f"rows, got m {tuple(m.shape)}, l {tuple(l.shape)}, acc {tuple(acc.shape)}, "
                          f"scores {tuple(scores.shape)}, v {tuple(v.shape)}")
-    m_out, l_out, acc_out = torch.empty_like(m), torch.empty_like(l), torch.empty_like(acc)
+    m_out, l_out = torch.empty_like(m), torch.empty_like(l)
+    acc_out = torch.empty(acc.shape, dtype=acc.dtype, device=acc.device)
     _online_softmax_tile_kernel[(rows,)](m, l, acc, scores, v, m_out, l_out, acc_out, n_keys, head_dim,
-                                         acc.stride(0), scores.stride(0), v.stride(0),
-                                         BLOCK_N=triton.next_power_of_2(n_keys), BLOCK_D=triton.next_power_of_2(head_dim))
+                                         acc.stride(0), scores.stride(0), v.stride(0), acc_out.stride(0),
+                                         BLOCK_N=triton.next_power_of_2(n_keys),
+                                         BLOCK_D=triton.next_power_of_2(head_dim))
     return m_out, l_out, acc_out
 
 

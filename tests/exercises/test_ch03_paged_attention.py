@@ -236,6 +236,7 @@ TILE_CASES = {  # (keys seen before, keys in the tile, how the tile's scores com
     "masked-keys": (4, 7, "masked"),
     "huge-jump": (4, 4, "huge"),
     "one-key": (3, 1, "plain"),
+    "spaced-rows": (4, 5, "spaced"),
 }
 
 
@@ -247,7 +248,7 @@ def test_online_softmax_tile_triton_folds_a_tile_into_the_state(impl, gen, in_a_
     rows = 3
     old_scores, old_values = torch.randn(rows, seen, generator=gen), torch.randn(seen, head_dim, generator=gen)
     scores, values = torch.randn(rows, new, generator=gen), torch.randn(new, head_dim, generator=gen)
-    scores += {"plain": 0.0, "higher": 5.0, "lower": -5.0, "masked": 0.0, "huge": 1000.0}[kind]
+    scores += {"plain": 0.0, "higher": 5.0, "lower": -5.0, "masked": 0.0, "huge": 1000.0, "spaced": 0.0}[kind]
     if kind == "masked":  # keys past the context: each row keeps at least one key (the tile's first)
         scores[:, 1:] = scores[:, 1:].masked_fill(torch.rand(rows, new - 1, generator=gen) < 0.5, float("-inf"))
     if seen:
@@ -255,7 +256,11 @@ def test_online_softmax_tile_triton_folds_a_tile_into_the_state(impl, gen, in_a_
     else:  # the empty state a kernel starts from
         m, l, acc = torch.full((rows,), float("-inf")), torch.zeros(rows), torch.zeros(rows, head_dim)
     expected = state_of(torch.cat([old_scores, scores], dim=1), torch.cat([old_values, values]))
-    result = in_a_kernel(impl.online_softmax_tile_triton, *(t.to(DEVICE) for t in (m, l, acc, scores, values)))
+    state = [t.to(DEVICE) for t in (m, l, acc, scores, values)]
+    if kind == "spaced":  # the tile's scores as columns of a wider matrix, and acc's rows apart too
+        state[2] = torch.zeros(rows, head_dim + 3, device=DEVICE)[:, :head_dim].copy_(state[2])
+        state[3] = torch.zeros(rows, new + 7, device=DEVICE)[:, 2:new + 2].copy_(state[3])
+    result = in_a_kernel(impl.online_softmax_tile_triton, *state)
     for name, got, want in zip(("m", "l", "acc"), result, expected):
         torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5, msg=lambda text: f"{name}: {text}")
 
@@ -279,12 +284,13 @@ def paged_batch(lengths: list[int], heads: int, kv_heads: int, head_dim: int, bl
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (6, 2, 24), (9, 1, 8)], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("block_size,block_n", [(4, 16), (8, 4), (16, 16)],
                          ids=["tile-spans-blocks", "tile-inside-a-block", "tile-is-a-block"])
-def test_paged_attention_triton_equals_the_reference(impl, gen, in_a_kernel, heads, kv_heads, head_dim, block_size, block_n):
+def test_paged_attention_triton_equals_the_reference(impl, gen, in_a_kernel, heads, kv_heads, head_dim,
+                                                     block_size, block_n):
     q, k_pool, v_pool, tables, lens = paged_batch([1, 9, 37], heads, kv_heads, head_dim, block_size, gen)
     expected = paged_decode_attention_reference(q, k_pool, v_pool, tables, lens)
     device_args = (t.to(DEVICE) for t in (q, k_pool, v_pool, tables, lens))
-    torch.testing.assert_close(in_a_kernel(impl.paged_attention_triton, *device_args, block_n=block_n).cpu(), expected,
-                               rtol=1e-5, atol=1e-5)
+    out = in_a_kernel(impl.paged_attention_triton, *device_args, block_n=block_n)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
 @runs_kernels
@@ -292,7 +298,8 @@ def test_paged_attention_triton_uses_the_scale(impl, gen, in_a_kernel):
     q, k_pool, v_pool, tables, lens = paged_batch([5, 20], 4, 2, 8, 4, gen)
     expected = paged_decode_attention_reference(q, k_pool, v_pool, tables, lens, scale=0.7)
     device_args = (t.to(DEVICE) for t in (q, k_pool, v_pool, tables, lens))
-    torch.testing.assert_close(in_a_kernel(impl.paged_attention_triton, *device_args, scale=0.7).cpu(), expected, rtol=1e-5, atol=1e-5)
+    out = in_a_kernel(impl.paged_attention_triton, *device_args, scale=0.7)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
 @runs_kernels
