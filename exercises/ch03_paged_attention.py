@@ -60,7 +60,8 @@ def online_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 # Three kernels, each one step closer to minfer/kernels/paged_decode_attention.py. On a CPU they run
 # under Triton's interpreter: the notebook sets TRITON_INTERPRET=1 before triton is first imported.
 # Each function below is the launcher: write a @triton.jit kernel above it, then replace the
-# `raise` with the launch. Keep the kernels' names private (a leading underscore).
+# `raise` with the launch. Plain Python helpers you add need a leading underscore (every public
+# function in this file is an exercise with a worked twin in solutions/); @triton.jit ones do not.
 
 
 def softmax_rows_triton(x: torch.Tensor) -> torch.Tensor:
