@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/bench_speculative.py --quick     # a smoke run (a few minutes)
     OMP_NUM_THREADS=1 python benchmarks/bench_speculative.py --json docs/bench_speculative.json \
-        --plot docs/speculative.png --update-docs                          # the full run
+        --plot docs/speculative.png --update-docs      # the full run (20 minutes on a busy 2-core machine)
 
 Two tasks: input-grounded (repeat / fix typos in / rewrite a pydoc passage: the answer copies its
 input) and open chat. Proposers: none (the baseline), n-gram lookup ("[ngram]"), the distilled
