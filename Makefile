@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup lab test demo bench clean
+.PHONY: setup lab test test-browser demo bench clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,16 @@ TEST_WORKERS ?= 2
 test: setup
 	MINFER_IMPL=solutions OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests notebooks \
 		--nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg --durations=15
+	@if [ -n "$(CHROMIUM)" ]; then $(MAKE) --no-print-directory test-browser; \
+	else echo "test-browser skipped: no chromium on PATH (Debian: apt-get install chromium; or make test CHROMIUM=/path/to/it)"; fi
+
+# The notebooks as a learner sees them: JupyterLab in headless Chromium, driven by Playwright with the
+# system's Chromium (no browser download); widgets and plots checked, one screenshot per notebook.
+CHROMIUM ?= $(shell command -v chromium || command -v chromium-browser)
+SCREENSHOTS ?= build/screenshots
+test-browser: setup
+	MINFER_IMPL=solutions OMP_NUM_THREADS=1 $(BIN)/python tests/browser/notebooks_in_browser.py \
+		--screenshots $(SCREENSHOTS) $(if $(CHROMIUM),--chromium $(CHROMIUM))
 
 demo: setup
 	$(BIN)/python -m minfer demo
