@@ -4,7 +4,7 @@
 
 Full model: SmolLM2-135M-Instruct. Every task of `minfer.router_tasks.make_tasks` (arithmetic of
 growing size, copying, formatting, facts; each with a checker) is answered greedily, through the
-chat template, by the full model and by each cheap candidate (`minfer.router.CHEAP_MODELS`). For
+chat template, by the full model and by each cheap candidate (`minfer.bench.router.CHEAP_MODELS`). For
 each candidate: its accuracy, its cost ratio c (one decode step against the full model's, batch 1,
 `minfer.bench.spec.cost_ratio`), and how well each confidence signal separates its right answers
 from its wrong ones (AUC). The candidate and signal whose cheapest threshold keeps the full model's
@@ -24,7 +24,7 @@ import torch
 
 from minfer import LLM
 from minfer.bench.common import write_docs_section
-from minfer.router import CHEAP_MODELS, RouterStudy, build_cheap_model, cheapest_study, study_router
+from minfer.bench.router import CHEAP_MODELS, RouterStudy, build_cheap_model, cheapest_study, study_router
 from minfer.router_tasks import answer_tasks, make_tasks
 
 DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"  # this checkout's docs page

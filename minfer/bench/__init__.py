@@ -13,6 +13,9 @@ and the notebooks (a notebook's measurement and the published one share the same
     spec.py      speculative decoding: the expected-speedup formula, a forward pass's cost, the draft
                  cost ratio c, batch-1 decode rate, the prompt sets (chapters 07-08, bench_speculative.py,
                  bench_router.py)
+    router.py    a router measured: the cheap candidates, each studied against the full model on the
+                 graded tasks (c, AUC per signal, cost against accuracy, the operating point) (chapter 08,
+                 bench_router.py)
 
 The rule: the library never imports minfer.bench. Harnesses use the library, never the reverse;
 only the command line (`minfer/__main__.py`) reaches in, for `python -m minfer bench`. No harness
