@@ -1,0 +1,91 @@
+"""Chapter 09: serving under load — latency percentiles, goodput, Poisson arrivals, a streaming
+handler and the price of a token.
+
+Fill in each function (replace `raise NotImplementedError`), then run `check("ch09")` in the
+notebook.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Optional, Sequence
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile of values (q in [0, 100]), with linear interpolation between order statistics.
+
+    This is numpy's default (`numpy.percentile(values, q)`, method "linear"): sort the n values,
+    take the fractional rank r = (n - 1) * q / 100 and interpolate between the values at ranks
+    floor(r) and ceil(r). So q = 0 is the minimum, q = 100 the maximum, q = 50 of an even count the
+    mean of the middle two. Returns a float.
+
+    Raises ValueError for an empty sequence or a q outside [0, 100].
+    """
+    raise NotImplementedError("write me")
+
+
+def goodput(ttfts_ms: Sequence[float], tpots_ms: Sequence[float], duration_s: float,
+            slo_ttft_ms: Optional[float] = None, slo_tpot_ms: Optional[float] = None) -> float:
+    """Requests per second that met every latency SLO given (DistServe's goodput, as `vllm bench serve` counts it).
+
+    ttfts_ms[i] and tpots_ms[i] are request i's time to first token and time per output token, in
+    ms (a request with a single output token has TPOT 0). A request meets an SLO when its value is
+    at most the SLO (equal counts as met); an SLO of None is not checked. Returns the number of
+    requests that met all the checked SLOs divided by duration_s, the length of the run in
+    seconds. With no SLO at all, that is every request; with no requests, 0.0.
+
+    Raises ValueError when the two lists differ in length or duration_s <= 0.
+    """
+    raise NotImplementedError("write me")
+
+
+def poisson_arrival_times(rate: float, num_requests: int, seed: int, burstiness: float = 1.0) -> list[float]:
+    """When each of num_requests requests arrives, in seconds from the start, at a mean of rate requests per second.
+
+    The gaps between arrivals are independent gamma draws with shape = burstiness and mean
+    1 / rate (so scale = 1 / (rate * burstiness)), drawn in one call as
+    `numpy.random.default_rng(seed).gamma(burstiness, 1 / (rate * burstiness), num_requests)`;
+    request i arrives at the sum of the first i + 1 gaps. burstiness = 1 gives exponential gaps,
+    a Poisson process; below 1 the arrivals come in bursts, above 1 more evenly (the gaps'
+    coefficient of variation is 1 / sqrt(burstiness)). rate = float("inf") means all at once:
+    every time is 0.0. Returns a list of floats in non-decreasing order ([] for 0 requests).
+
+    Raises ValueError for rate <= 0 (or NaN), burstiness <= 0 or num_requests < 0.
+    """
+    raise NotImplementedError("write me")
+
+
+def stream_completion_chunks(queue: asyncio.Queue, request_id: str, model: str,
+                             created: int) -> AsyncIterator[str]:
+    """Stream one completion as OpenAI's Server-Sent Events, from the engine's per-request queue.
+
+    The engine loop puts minfer.outputs.RequestOutput objects on `queue` as the request advances;
+    they are cumulative: `.outputs[0].text` is the whole text so far, `.finished` is True on the
+    last one, whose `.outputs[0].finish_reason` says why it ended ("stop" or "length"). An
+    exception found on the queue (the engine failed) is raised.
+
+    Yields, as each output arrives, one SSE event string `"data: " + json.dumps(chunk) + "\\n\\n"`
+    with chunk = {"id": request_id, "object": "text_completion", "created": created,
+    "model": model, "choices": [{"index": 0, "text": DELTA, "logprobs": None,
+    "finish_reason": REASON}]}, where DELTA is only the text added since the previous output and
+    REASON is None except in the chunk of the finished output. An unfinished output that added no
+    text yields nothing; the finished one always yields its chunk (its delta may be ""). After
+    it, yields "data: [DONE]\\n\\n" and stops.
+
+    Write it as an async generator: change `def` to `async def`, await `queue.get()` and `yield`
+    each event. (The stub is a plain function only so that calling it raises at once.)
+    """
+    raise NotImplementedError("write me")
+
+
+def cost_per_million_tokens(price_per_hour: float, tokens_per_second: float, utilization: float = 1.0) -> float:
+    """What a million output tokens cost on a machine rented by the hour.
+
+    price_per_hour: the machine's price (any currency) per hour, paid whether it works or not;
+    tokens_per_second: the output tokens per second it sustains while busy; utilization: the
+    fraction of the paid hours it is busy, in (0, 1]. The machine makes
+    tokens_per_second * utilization * 3600 tokens per paid hour, so a million cost
+    price_per_hour / that * 1e6.
+
+    Raises ValueError for price_per_hour < 0, tokens_per_second <= 0 or a utilization outside (0, 1].
+    """
+    raise NotImplementedError("write me")

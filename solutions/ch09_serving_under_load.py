@@ -1,0 +1,135 @@
+"""Chapter 09, worked: latency percentiles, goodput, Poisson arrivals, a streaming handler and the
+price of a token."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from typing import AsyncIterator, Optional, Sequence
+
+import numpy as np
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile of values (q in [0, 100]), with linear interpolation between order statistics.
+
+    This is numpy's default (`numpy.percentile(values, q)`, method "linear"): sort the n values,
+    take the fractional rank r = (n - 1) * q / 100 and interpolate between the values at ranks
+    floor(r) and ceil(r). So q = 0 is the minimum, q = 100 the maximum, q = 50 of an even count the
+    mean of the middle two. Returns a float.
+
+    Raises ValueError for an empty sequence or a q outside [0, 100].
+    """
+    if not 0 <= q <= 100:  # (also refuses NaN)
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    ordered = sorted(float(v) for v in values)
+    if not ordered:
+        raise ValueError("percentile of an empty sequence")
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def goodput(ttfts_ms: Sequence[float], tpots_ms: Sequence[float], duration_s: float,
+            slo_ttft_ms: Optional[float] = None, slo_tpot_ms: Optional[float] = None) -> float:
+    """Requests per second that met every latency SLO given (DistServe's goodput, as `vllm bench serve` counts it).
+
+    ttfts_ms[i] and tpots_ms[i] are request i's time to first token and time per output token, in
+    ms (a request with a single output token has TPOT 0). A request meets an SLO when its value is
+    at most the SLO (equal counts as met); an SLO of None is not checked. Returns the number of
+    requests that met all the checked SLOs divided by duration_s, the length of the run in
+    seconds. With no SLO at all, that is every request; with no requests, 0.0.
+
+    Raises ValueError when the two lists differ in length or duration_s <= 0.
+    """
+    if len(ttfts_ms) != len(tpots_ms):
+        raise ValueError(f"{len(ttfts_ms)} TTFTs but {len(tpots_ms)} TPOTs: one of each per request")
+    if not duration_s > 0:
+        raise ValueError(f"duration_s must be > 0, got {duration_s}")
+    good = sum((slo_ttft_ms is None or ttft <= slo_ttft_ms) and (slo_tpot_ms is None or tpot <= slo_tpot_ms)
+               for ttft, tpot in zip(ttfts_ms, tpots_ms))
+    return good / duration_s
+
+
+def poisson_arrival_times(rate: float, num_requests: int, seed: int, burstiness: float = 1.0) -> list[float]:
+    """When each of num_requests requests arrives, in seconds from the start, at a mean of rate requests per second.
+
+    The gaps between arrivals are independent gamma draws with shape = burstiness and mean
+    1 / rate (so scale = 1 / (rate * burstiness)), drawn in one call as
+    `numpy.random.default_rng(seed).gamma(burstiness, 1 / (rate * burstiness), num_requests)`;
+    request i arrives at the sum of the first i + 1 gaps. burstiness = 1 gives exponential gaps,
+    a Poisson process; below 1 the arrivals come in bursts, above 1 more evenly (the gaps'
+    coefficient of variation is 1 / sqrt(burstiness)). rate = float("inf") means all at once:
+    every time is 0.0. Returns a list of floats in non-decreasing order ([] for 0 requests).
+
+    Raises ValueError for rate <= 0 (or NaN), burstiness <= 0 or num_requests < 0.
+    """
+    if not rate > 0:
+        raise ValueError(f"rate must be > 0 requests per second (inf: all at once), got {rate}")
+    if not burstiness > 0:
+        raise ValueError(f"burstiness must be > 0, got {burstiness}")
+    if num_requests < 0:
+        raise ValueError(f"num_requests must be >= 0, got {num_requests}")
+    if math.isinf(rate):
+        return [0.0] * num_requests
+    gaps = np.random.default_rng(seed).gamma(burstiness, 1 / (rate * burstiness), num_requests)
+    return np.cumsum(gaps).tolist()
+
+
+async def stream_completion_chunks(queue: asyncio.Queue, request_id: str, model: str,
+                                   created: int) -> AsyncIterator[str]:
+    """Stream one completion as OpenAI's Server-Sent Events, from the engine's per-request queue.
+
+    The engine loop puts minfer.outputs.RequestOutput objects on `queue` as the request advances;
+    they are cumulative: `.outputs[0].text` is the whole text so far, `.finished` is True on the
+    last one, whose `.outputs[0].finish_reason` says why it ended ("stop" or "length"). An
+    exception found on the queue (the engine failed) is raised.
+
+    Yields, as each output arrives, one SSE event string `"data: " + json.dumps(chunk) + "\\n\\n"`
+    with chunk = {"id": request_id, "object": "text_completion", "created": created,
+    "model": model, "choices": [{"index": 0, "text": DELTA, "logprobs": None,
+    "finish_reason": REASON}]}, where DELTA is only the text added since the previous output and
+    REASON is None except in the chunk of the finished output. An unfinished output that added no
+    text yields nothing; the finished one always yields its chunk (its delta may be ""). After
+    it, yields "data: [DONE]\\n\\n" and stops.
+
+    An async generator: it awaits `queue.get()`, so the event loop serves other requests while
+    this one waits for its next token.
+    """
+    sent = 0  # characters of the text already streamed
+    while True:
+        out = await queue.get()
+        if isinstance(out, BaseException):
+            raise out
+        completion = out.outputs[0]
+        delta = completion.text[sent:]
+        sent = len(completion.text)
+        if delta or out.finished:
+            chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                     "choices": [{"index": 0, "text": delta, "logprobs": None,
+                                  "finish_reason": completion.finish_reason if out.finished else None}]}
+            yield f"data: {json.dumps(chunk)}\n\n"  # json.dumps escapes newlines: one event, however the text looks
+        if out.finished:
+            break
+    yield "data: [DONE]\n\n"
+
+
+def cost_per_million_tokens(price_per_hour: float, tokens_per_second: float, utilization: float = 1.0) -> float:
+    """What a million output tokens cost on a machine rented by the hour.
+
+    price_per_hour: the machine's price (any currency) per hour, paid whether it works or not;
+    tokens_per_second: the output tokens per second it sustains while busy; utilization: the
+    fraction of the paid hours it is busy, in (0, 1]. The machine makes
+    tokens_per_second * utilization * 3600 tokens per paid hour, so a million cost
+    price_per_hour / that * 1e6.
+
+    Raises ValueError for price_per_hour < 0, tokens_per_second <= 0 or a utilization outside (0, 1].
+    """
+    if not price_per_hour >= 0:
+        raise ValueError(f"price_per_hour must be >= 0, got {price_per_hour}")
+    if not tokens_per_second > 0:
+        raise ValueError(f"tokens_per_second must be > 0, got {tokens_per_second}")
+    if not 0 < utilization <= 1:
+        raise ValueError(f"utilization must be in (0, 1], got {utilization}")
+    return price_per_hour / (tokens_per_second * utilization * 3600) * 1e6
