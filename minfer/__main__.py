@@ -1,7 +1,9 @@
-"""The `minfer` command line: `python -m minfer demo` and `python -m minfer bench`.
+"""The `minfer` command line (also installed as the `minfer` script).
 
     python -m minfer demo [--prompt TEXT] [--max-tokens N]   chat one prompt, stream the answer, print TTFT/TPOT
+    python -m minfer serve [MODEL] [--port 8000] [engine args]   an OpenAI-compatible server (minfer/serving)
     python -m minfer bench [--quick] [--json PATH] [--update-docs PATH] ...   minfer vs transformers vs the matmul floor
+    python -m minfer bench serve [--base-url URL] [--request-rate R] ...   load-test an OpenAI-compatible server
 """
 from __future__ import annotations
 
@@ -49,8 +51,22 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve(args: argparse.Namespace) -> int:
+    from minfer.serving.api_server import serve as run_server
+
+    return run_server(args)
+
+
+def bench_serve(args: argparse.Namespace) -> int:
+    from minfer.bench.serve import run_serve_bench
+
+    return run_serve_bench(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from minfer.bench.generate import add_bench_arguments
+    from minfer.bench.serve import add_serve_bench_arguments
+    from minfer.serving.api_server import add_serve_arguments
 
     parser = argparse.ArgumentParser(prog="minfer", description="minfer: a compact LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -63,9 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     d.add_argument("--seed", type=int, default=None)
     d.set_defaults(func=demo)
-    b = sub.add_parser("bench", help="minfer vs transformers generate vs the matmul floor (decode tokens/s, TTFT, TPOT)")
+    s = sub.add_parser("serve", help="serve a model over OpenAI's HTTP API (completions, chat, streaming, /metrics)")
+    add_serve_arguments(s)
+    s.set_defaults(func=serve)
+    b = sub.add_parser("bench", help="minfer vs transformers generate vs the matmul floor (decode tokens/s, TTFT, TPOT); "
+                                     "'bench serve': load-test a server")
     add_bench_arguments(b)
     b.set_defaults(func=bench)
+    bench_sub = b.add_subparsers(dest="bench_command", required=False)
+    bs = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server: latency percentiles, goodput, rate sweeps")
+    add_serve_bench_arguments(bs)
+    bs.set_defaults(func=bench_serve)
     return parser
 
 

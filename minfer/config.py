@@ -1,8 +1,10 @@
 """Two configurations: the shape of a model (`ModelConfig`), and how the engine serves it (`EngineConfig`)."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
+import typing
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -171,6 +173,34 @@ class EngineConfig:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
                              f">= max_model_len ({self.max_model_len}), or the longest prompts could never run")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every EngineConfig field but `model` as a flag with vLLM's spelling (`max_num_seqs` -> `--max-num-seqs`).
+
+    Booleans get both forms (`--enable-prefix-caching` / `--no-enable-prefix-caching`), except
+    `--enforce-eager`, which is a switch as in vLLM. Each flag defaults to the field's default."""
+    hints = typing.get_type_hints(EngineConfig)
+    group = parser.add_argument_group("engine arguments (minfer.config.EngineConfig, vLLM's names)")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        if f.name == "enforce_eager":
+            group.add_argument(flag, action="store_true", default=None, help="run every step eagerly (the default)")
+        elif kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            value_types = [t for t in typing.get_args(kind) if t is not type(None)] or [kind]
+            convert = next((t for t in (int, float) if t in value_types), str)
+            group.add_argument(flag, type=convert, default=f.default, metavar=convert.__name__.upper(),
+                               help=f"default: {f.default}")
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine arguments `add_engine_arguments` parsed, ready for `LLM(model, **kwargs)`."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
 
 
 def _is_positive_int(value) -> bool:

@@ -114,12 +114,11 @@ class LLM:
                     pass
                 bar.update(sum(any(r.seqs[-1] is s for s in batch) for r in requests))
         else:
+            self._add_all(requests)
             try:
-                for request in requests:
-                    self.engine.add_request(request)
                 while self.engine.has_unfinished_requests():
                     bar.update(sum(out.finished for out in self.engine.step()))
-            except BaseException:  # a rejected request, Ctrl-C...: leave the engine clean for the next call
+            except BaseException:  # Ctrl-C...: leave the engine clean for the next call
                 for request in requests:
                     self.engine.abort_request(request.request_id)
                 raise
@@ -153,9 +152,15 @@ class LLM:
     # ------------------------------------------------------------------ the engine, one step at a time
     def add_request(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None) -> str:
         """Queue one request in the serving engine (checked first); returns its request id."""
-        (request,) = self._make_requests(prompt, sampling_params)
-        self.engine.add_request(request)
-        return request.request_id
+        (request_id,) = self.add_requests([prompt], sampling_params)
+        return request_id
+
+    def add_requests(self, prompts: list[PromptType],
+                     sampling_params: Union[SamplingParams, list[SamplingParams], None] = None) -> list[str]:
+        """Queue several requests, all or none: every prompt is checked before the first is queued."""
+        requests = self._make_requests(prompts, sampling_params)
+        self._add_all(requests)
+        return [r.request_id for r in requests]
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs of the requests that got a token in it."""
@@ -175,6 +180,16 @@ class LLM:
         return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     # ------------------------------------------------------------------ internals
+    def _add_all(self, requests: list[Request]) -> None:
+        """Queue checked requests; if the engine refuses one (it cannot fit the pool), take back the rest."""
+        try:
+            for request in requests:
+                self.engine.add_request(request)
+        except BaseException:
+            for request in requests:
+                self.engine.abort_request(request.request_id)
+            raise
+
     def _tokenize(self, prompt: PromptType, index: int) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):
             if not prompt:

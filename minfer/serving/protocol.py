@@ -1,0 +1,192 @@
+"""OpenAI's request and response shapes, as the official client and vLLM's server use them.
+
+Requests are pydantic models: a field of the wrong type, a value out of range or a field that
+does not exist becomes a 400 with OpenAI's error body naming it. The sampling fields map onto
+`SamplingParams` (vLLM's extras `top_k`, `min_p`, `ignore_eos`, ... included), whose own checks
+give the same 400 for a value it refuses.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from minfer.logprobs import Logprob
+from minfer.outputs import CompletionOutput, RequestOutput
+from minfer.sampling_params import SamplingParams
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelled field is an error, not silently ignored
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(_Strict):
+    """The fields both endpoints share (OpenAI's, then vLLM's extras)."""
+
+    model: Optional[str] = None
+    n: int = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: Optional[str] = None
+    # vLLM's extra sampling fields
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+        """The engine's SamplingParams; a ValueError names any value the engine refuses."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise ValueError(f"{name} is not supported by minfer: leave it at 0")
+        return SamplingParams(n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
+                              top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+                              min_p=self.min_p or 0.0, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                              ignore_eos=self.ignore_eos, max_tokens=max_tokens,
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              skip_special_tokens=self.skip_special_tokens, logprobs=logprobs)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16  # OpenAI's default for completions
+    logprobs: Optional[int] = Field(default=None, ge=0)
+    echo: bool = False
+    suffix: Optional[str] = None
+
+    def prompts(self) -> list[Union[str, dict]]:
+        """One engine prompt per prompt in the request: text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ValueError("prompt must not be empty")
+        if all(isinstance(x, int) for x in p):
+            return [{"prompt_token_ids": list(p)}]
+        return [x if isinstance(x, str) else {"prompt_token_ids": list(x)} for x in p]
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: Union[str, list[dict]]
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        """The content as text: a string, or the text parts of a list (images are not supported)."""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"message content parts must be {{'type': 'text', 'text': str}}, got {part!r}")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = None  # chat's default: up to the context window
+    max_completion_tokens: Optional[int] = None  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0)
+    add_generation_prompt: bool = True
+
+    def conversation(self) -> list[dict]:
+        # "developer" is OpenAI's newer name for "system"
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+    def token_limit(self) -> Optional[int]:
+        if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("give max_tokens or max_completion_tokens, not two different values")
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprobs_count(self) -> Optional[int]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# ---------------------------------------------------------------- responses
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def error_body(message: str, type_: str, code: int, param: Optional[str] = None) -> dict:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def usage(outputs: list[RequestOutput]) -> dict:
+    """Token counts: each prompt once (its n completions share it), every completion's tokens."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_logprobs(entries: list[dict[int, Logprob]], text_offset: int) -> dict:
+    """The completions endpoint's logprobs: the chosen tokens, their logprobs, and the top alternatives."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for entry in entries:
+        chosen = next(iter(entry.values()))  # the sampled token comes first (minfer.logprobs)
+        tokens.append(chosen.decoded_token)
+        token_logprobs.append(chosen.logprob)
+        top.append({lp.decoded_token: lp.logprob for lp in entry.values()})
+        offsets.append(text_offset)
+        text_offset += len(chosen.decoded_token or "")
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[dict[int, Logprob]], top_n: int) -> dict:
+    """The chat endpoint's logprobs: one {token, logprob, bytes, top_logprobs} per generated token."""
+    def item(lp: Logprob) -> dict:
+        token = lp.decoded_token or ""
+        return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
+
+    content = []
+    for entry in entries:
+        values = list(entry.values())
+        alternatives = sorted(values, key=lambda lp: lp.rank)[:top_n]
+        content.append({**item(values[0]), "top_logprobs": [item(lp) for lp in alternatives]})
+    return {"content": content}
+
+
+def streamable_text(text: str, finished: bool, stop: Optional[Union[str, list[str]]]) -> str:
+    """The part of a completion's text so far that can be sent and never taken back.
+
+    Two things can still change the end of an unfinished text: a character whose UTF-8 bytes
+    are split over tokens decodes as U+FFFD until its last byte arrives, and text that could be
+    the start of a stop string is cut off if the stop string completes (it must never have
+    been streamed). Both are held back until the next token settles them."""
+    if finished:
+        return text
+    text = text.rstrip("\ufffd")
+    stops = [stop] if isinstance(stop, str) else (stop or [])
+    held = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return text[:len(text) - held]
+
+
+def finish_fields(c: CompletionOutput) -> dict:
+    return {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
