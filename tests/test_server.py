@@ -22,6 +22,7 @@ import pytest
 from minfer import SamplingParams
 
 MODEL = "smollm2-135m"
+pytestmark = pytest.mark.slow  # servers start in subprocesses: about 90 s for the file
 
 
 def free_port() -> int:
@@ -284,3 +285,31 @@ def test_sigterm_finishes_running_requests_then_exits_0(tiny_model):
     assert s.proc.wait(30) == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(s.url + "/health")
+
+
+def test_streamed_n_and_echo_match_the_whole_answers(server):
+    client = server.client()
+    args = dict(model=MODEL, prompt=PROMPTS[3], max_tokens=10, temperature=0.9, seed=11, n=2)
+    whole = client.completions.create(**args)
+    pieces = {0: "", 1: ""}
+    finals = []
+    for chunk in client.completions.create(**args, stream=True):
+        for c in chunk.choices:
+            pieces[c.index] += c.text
+            if c.finish_reason is not None:
+                finals.append(c.index)
+    assert sorted(finals) == [0, 1], "each choice ends exactly once"
+    assert pieces == {c.index: c.text for c in whole.choices}
+    echoed = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True)
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    assert echoed.choices[0].text == PROMPTS[0] + plain.choices[0].text
+
+
+def test_streamable_text_holds_back_what_may_change():
+    from minfer.serving.protocol import streamable_text
+
+    assert streamable_text("Hello wor", False, None) == "Hello wor"
+    assert streamable_text("Hello\n", False, ["\n\n"]) == "Hello"  # may become the stop string
+    assert streamable_text("Hello\n", True, ["\n\n"]) == "Hello\n"  # finished: all of it
+    assert streamable_text("ab END", False, "ENDING") == "ab "
+    assert streamable_text("caf\ufffd", False, None) == "caf"  # half a UTF-8 character

@@ -101,18 +101,16 @@ def build_app(llm: LLM, served_model_name: str, api_key: Optional[str] = None,
 
         if body.stream:
             async def events() -> AsyncIterator[str]:
-                sent: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, completion) -> (chars, logprobs) sent
-                finals: dict[int, RequestOutput] = {}
+                state, finals = api.StreamState(body.stop), {}
                 async for i, output in engine.stream(group):
                     for c in output.outputs:
-                        chars, logprob_count = sent.get((i, c.index), (0, 0))
-                        prefix = await echo_text(output) if (i, c.index) not in sent else ""
-                        text = api.streamable_text(c.text, c.finish_reason is not None, body.stop)
-                        if len(text) <= chars and c.finish_reason is None and not prefix:
+                        prefix = await echo_text(output) if state.first((i, c.index)) else ""
+                        delta = state.delta((i, c.index), c)
+                        if delta is None and not prefix:
                             continue
-                        sent[(i, c.index)] = (len(text), len(c.logprobs or []))
+                        text, logprobs_from = delta or ("", len(c.logprobs or []))
                         yield _sse({"id": response_id, "object": "text_completion", "created": created,
-                                    "model": model, "choices": [choice(i, c, text[chars:], prefix, logprob_count)]})
+                                    "model": model, "choices": [choice(i, c, text, prefix, logprobs_from)]})
                     if output.finished:
                         finals[i] = output
                 if body.include_usage:
@@ -142,22 +140,18 @@ def build_app(llm: LLM, served_model_name: str, api_key: Optional[str] = None,
         if body.stream:
             async def events() -> AsyncIterator[str]:
                 head = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model}
-                sent: dict[int, tuple[int, int]] = {}
-                final = None
+                state, final = api.StreamState(body.stop), None
                 async for _, output in engine.stream(group):
                     for c in output.outputs:
-                        if c.index not in sent:  # OpenAI's first chunk of a choice names the role
-                            sent[c.index] = (0, 0)
+                        if state.first((0, c.index)):  # OpenAI's first chunk of a choice names the role
                             yield _sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                                              "logprobs": None, "finish_reason": None}]})
-                        chars, logprob_count = sent[c.index]
-                        text = api.streamable_text(c.text, c.finish_reason is not None, body.stop)
-                        if len(text) <= chars and c.finish_reason is None:
+                        delta = state.delta((0, c.index), c)
+                        if delta is None:
                             continue
-                        sent[c.index] = (len(text), len(c.logprobs or []))
-                        delta = {"content": text[chars:]} if len(text) > chars else {}
-                        yield _sse({**head, "choices": [{"index": c.index, "delta": delta,
-                                                         "logprobs": logprobs(c, logprob_count), **api.finish_fields(c)}]})
+                        text, logprobs_from = delta
+                        yield _sse({**head, "choices": [{"index": c.index, "delta": {"content": text} if text else {},
+                                                         "logprobs": logprobs(c, logprobs_from), **api.finish_fields(c)}]})
                     final = output
                 if body.include_usage:
                     yield _sse({**head, "choices": [], "usage": api.usage([final])})

@@ -188,5 +188,39 @@ def streamable_text(text: str, finished: bool, stop: Optional[Union[str, list[st
     return text[:len(text) - held]
 
 
+class StreamState:
+    """What each choice of one stream has been sent so far, so that every chunk carries only what is new.
+
+    A choice is keyed by (prompt index, completion index). `delta` gives the text (and the index
+    of the first logprob entry) that an output adds for a choice, or None when it adds nothing
+    to send; once a choice's final chunk has gone out, later outputs of its request (which
+    still list it) add nothing."""
+
+    def __init__(self, stop: Optional[Union[str, list[str]]]) -> None:
+        self.stop = stop
+        self._sent: dict[tuple[int, int], tuple[int, int]] = {}  # choice -> (characters, logprob entries) sent
+        self._done: set[tuple[int, int]] = set()
+
+    def first(self, key: tuple[int, int]) -> bool:
+        """True the first time a choice shows up (the moment for a role or an echoed prompt)."""
+        if key in self._sent:
+            return False
+        self._sent[key] = (0, 0)
+        return True
+
+    def delta(self, key: tuple[int, int], c: CompletionOutput) -> Optional[tuple[str, int]]:
+        if key in self._done:
+            return None
+        chars, entries = self._sent.get(key, (0, 0))
+        finished = c.finish_reason is not None
+        text = streamable_text(c.text, finished, self.stop)
+        if len(text) <= chars and not finished:
+            return None
+        self._sent[key] = (len(text), len(c.logprobs or []))
+        if finished:
+            self._done.add(key)
+        return text[chars:], entries
+
+
 def finish_fields(c: CompletionOutput) -> dict:
     return {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
