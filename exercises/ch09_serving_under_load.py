@@ -39,17 +39,19 @@ def goodput(ttfts_ms: Sequence[float], tpots_ms: Sequence[float], duration_s: fl
 
 
 def poisson_arrival_times(rate: float, num_requests: int, seed: int, burstiness: float = 1.0) -> list[float]:
-    """When each of num_requests requests arrives, in seconds from the start, at a mean of rate requests per second.
+    """When each of num_requests requests is sent, in seconds from the start, at a mean of rate requests per second.
 
-    The gaps between arrivals are independent gamma draws with shape = burstiness and mean
-    1 / rate (so scale = 1 / (rate * burstiness)), drawn in one call as
-    `numpy.random.default_rng(seed).gamma(burstiness, 1 / (rate * burstiness), num_requests)`;
-    request i arrives at the sum of the first i + 1 gaps. burstiness = 1 gives exponential gaps,
-    a Poisson process; below 1 the arrivals come in bursts, above 1 more evenly (the gaps'
-    coefficient of variation is 1 / sqrt(burstiness)). rate = float("inf") means all at once:
-    every time is 0.0. Returns a list of floats in non-decreasing order ([] for 0 requests).
+    The first request goes at 0; each next one follows after a gap drawn from a gamma distribution
+    with shape = burstiness and mean 1 / rate (so scale = 1 / (rate * burstiness)), the gaps drawn
+    in order from one `random.Random(seed)` with `gammavariate(burstiness, 1 / (rate * burstiness))`
+    (the load generator's `minfer.bench.serve.arrival_times` draws the same times).
+    burstiness = 1 gives exponential gaps, a Poisson process; below 1 the requests come in
+    bursts, above 1 more evenly (the gaps' coefficient of variation is 1 / sqrt(burstiness)).
+    rate = float("inf") means all at once: every time is 0.0. Returns a list of floats in
+    non-decreasing order ([] for 0 requests).
 
-    Raises ValueError for rate <= 0 (or NaN), burstiness <= 0 or num_requests < 0.
+    Raises ValueError for rate <= 0 (or NaN), a burstiness that is not a positive finite number, or
+    num_requests < 0.
     """
     raise NotImplementedError("write me")
 

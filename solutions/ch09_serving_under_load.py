@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
 from typing import AsyncIterator, Optional, Sequence
-
-import numpy as np
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -53,28 +52,35 @@ def goodput(ttfts_ms: Sequence[float], tpots_ms: Sequence[float], duration_s: fl
 
 
 def poisson_arrival_times(rate: float, num_requests: int, seed: int, burstiness: float = 1.0) -> list[float]:
-    """When each of num_requests requests arrives, in seconds from the start, at a mean of rate requests per second.
+    """When each of num_requests requests is sent, in seconds from the start, at a mean of rate requests per second.
 
-    The gaps between arrivals are independent gamma draws with shape = burstiness and mean
-    1 / rate (so scale = 1 / (rate * burstiness)), drawn in one call as
-    `numpy.random.default_rng(seed).gamma(burstiness, 1 / (rate * burstiness), num_requests)`;
-    request i arrives at the sum of the first i + 1 gaps. burstiness = 1 gives exponential gaps,
-    a Poisson process; below 1 the arrivals come in bursts, above 1 more evenly (the gaps'
-    coefficient of variation is 1 / sqrt(burstiness)). rate = float("inf") means all at once:
-    every time is 0.0. Returns a list of floats in non-decreasing order ([] for 0 requests).
+    The first request goes at 0; each next one follows after a gap drawn from a gamma distribution
+    with shape = burstiness and mean 1 / rate (so scale = 1 / (rate * burstiness)), the gaps drawn
+    in order from one `random.Random(seed)` with `gammavariate(burstiness, 1 / (rate * burstiness))`
+    (the load generator's `minfer.bench.serve.arrival_times` draws the same times).
+    burstiness = 1 gives exponential gaps, a Poisson process; below 1 the requests come in
+    bursts, above 1 more evenly (the gaps' coefficient of variation is 1 / sqrt(burstiness)).
+    rate = float("inf") means all at once: every time is 0.0. Returns a list of floats in
+    non-decreasing order ([] for 0 requests).
 
-    Raises ValueError for rate <= 0 (or NaN), burstiness <= 0 or num_requests < 0.
+    Raises ValueError for rate <= 0 (or NaN), a burstiness that is not a positive finite number, or
+    num_requests < 0.
     """
     if not rate > 0:
         raise ValueError(f"rate must be > 0 requests per second (inf: all at once), got {rate}")
-    if not burstiness > 0:
-        raise ValueError(f"burstiness must be > 0, got {burstiness}")
+    if not 0 < burstiness < math.inf:
+        raise ValueError(f"burstiness must be a positive finite number, got {burstiness}")
     if num_requests < 0:
         raise ValueError(f"num_requests must be >= 0, got {num_requests}")
     if math.isinf(rate):
         return [0.0] * num_requests
-    gaps = np.random.default_rng(seed).gamma(burstiness, 1 / (rate * burstiness), num_requests)
-    return np.cumsum(gaps).tolist()
+    rng = random.Random(seed)
+    scale = 1 / (rate * burstiness)  # shape * scale = the mean gap = 1 / rate
+    times, now = [], 0.0
+    for _ in range(num_requests):
+        times.append(now)
+        now += rng.gammavariate(burstiness, scale)
+    return times
 
 
 async def stream_completion_chunks(queue: asyncio.Queue, request_id: str, model: str,

@@ -4,6 +4,7 @@ cost formula."""
 import asyncio
 import json
 import math
+import random
 
 import numpy as np
 import pytest
@@ -60,6 +61,22 @@ def test_goodput_never_exceeds_throughput_and_grows_with_the_slo(impl):
     assert previous == pytest.approx(20.0)
 
 
+def test_goodput_equals_the_load_generators(impl):
+    from minfer.bench.serve import RequestResult, request_goodput, time_per_output_token
+
+    rng = np.random.default_rng(2)
+    results = []
+    for _ in range(100):
+        ttft, n = float(rng.exponential(0.8)), int(rng.integers(1, 40))
+        results.append(RequestResult(success=True, ttft=ttft, latency=ttft + (n - 1) * float(rng.exponential(0.05)),
+                                     output_len=n))
+    ttfts = [r.ttft * 1000 for r in results]
+    tpots = [(time_per_output_token(r.latency, r.ttft, r.output_len) or 0.0) * 1000 for r in results]
+    for slos in [{"ttft": 500.0}, {"tpot": 40.0}, {"ttft": 1000.0, "tpot": 60.0}]:
+        assert impl.goodput(ttfts, tpots, 12.5, slos.get("ttft"), slos.get("tpot")) == \
+            pytest.approx(request_goodput(results, slos, 12.5))
+
+
 def test_goodput_refuses_bad_input(impl):
     with pytest.raises(ValueError):
         impl.goodput([1, 2], [1], 1.0)
@@ -72,27 +89,38 @@ def test_goodput_refuses_bad_input(impl):
 
 def test_arrivals_are_the_cumulative_gamma_gaps(impl):
     for rate, burstiness, seed in [(2.0, 1.0, 0), (0.5, 0.3, 7), (10.0, 4.0, 1)]:
-        gaps = np.random.default_rng(seed).gamma(burstiness, 1 / (rate * burstiness), 50)
+        rng = random.Random(seed)
+        expected = [0.0]
+        for _ in range(49):
+            expected.append(expected[-1] + rng.gammavariate(burstiness, 1 / (rate * burstiness)))
         times = impl.poisson_arrival_times(rate, 50, seed, burstiness)
         assert isinstance(times, list) and len(times) == 50
-        assert times == pytest.approx(np.cumsum(gaps).tolist(), rel=1e-12)
+        assert times == pytest.approx(expected, rel=1e-12)
         assert all(isinstance(t, float) for t in times)
     assert impl.poisson_arrival_times(3.0, 20, 5) == impl.poisson_arrival_times(3.0, 20, 5)  # same seed, same times
     assert impl.poisson_arrival_times(3.0, 20, 5) != impl.poisson_arrival_times(3.0, 20, 6)
+
+
+def test_arrivals_are_the_load_generators(impl):
+    from minfer.bench.serve import arrival_times
+
+    for rate, burstiness, seed in [(1.5, 1.0, 0), (8.0, 0.5, 3), (0.2, 2.0, 11)]:
+        assert impl.poisson_arrival_times(rate, 30, seed, burstiness) == \
+            pytest.approx(arrival_times(30, rate, burstiness, seed), rel=1e-12)
 
 
 def test_arrivals_keep_the_rate(impl):
     # 20 000 gaps with a fixed seed: the mean gap is 1/rate to within 2 % (its standard error is 0.7 %)
     for rate in [0.5, 4.0, 50.0]:
         times = impl.poisson_arrival_times(rate, 20_000, seed=0)
-        assert all(b >= a for a, b in zip(times, times[1:])) and times[0] > 0
-        assert times[-1] / len(times) == pytest.approx(1 / rate, rel=0.02)
+        assert times[0] == 0.0 and all(b >= a for a, b in zip(times, times[1:]))
+        assert times[-1] / (len(times) - 1) == pytest.approx(1 / rate, rel=0.02)
 
 
 @pytest.mark.parametrize("burstiness", [0.25, 1.0, 4.0])
 def test_burstiness_sets_the_spread_of_the_gaps(impl, burstiness):
     times = impl.poisson_arrival_times(2.0, 20_000, seed=3, burstiness=burstiness)
-    gaps = np.diff([0.0] + times)
+    gaps = np.diff(times)
     assert gaps.mean() == pytest.approx(0.5, rel=0.03)  # the mean rate does not depend on burstiness
     assert gaps.std() / gaps.mean() == pytest.approx(1 / math.sqrt(burstiness), rel=0.05)
 
@@ -103,7 +131,8 @@ def test_infinite_rate_sends_everything_at_once(impl):
 
 
 @pytest.mark.parametrize("args", [(0.0, 5, 0), (-1.0, 5, 0), (float("nan"), 5, 0), (1.0, -1, 0), (1.0, 5, 0, 0.0),
-                                  (1.0, 5, 0, -2.0)], ids=["rate0", "rate<0", "rate-nan", "count<0", "burst0", "burst<0"])
+                                  (1.0, 5, 0, -2.0), (1.0, 5, 0, float("inf"))],
+                         ids=["rate0", "rate<0", "rate-nan", "count<0", "burst0", "burst<0", "burst-inf"])
 def test_arrivals_refuse_bad_input(impl, args):
     with pytest.raises(ValueError):
         impl.poisson_arrival_times(*args)
