@@ -73,6 +73,11 @@ def stream_completion_chunks(queue: asyncio.Queue, request_id: str, model: str,
     text yields nothing; the finished one always yields its chunk (its delta may be ""). After
     it, yields "data: [DONE]\\n\\n" and stops.
 
+    One catch: a character whose UTF-8 bytes are split over two tokens decodes as "\\ufffd" (the
+    replacement character) until its last byte arrives, and then the text so far changes. So in an
+    unfinished output, trailing "\\ufffd" characters are held back (not sent yet); the finished
+    output's text is sent as it is.
+
     Write it as an async generator: change `def` to `async def`, await `queue.get()` and `yield`
     each event. (The stub is a plain function only so that calling it raises at once.)
     """

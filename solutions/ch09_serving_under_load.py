@@ -100,6 +100,11 @@ async def stream_completion_chunks(queue: asyncio.Queue, request_id: str, model:
     text yields nothing; the finished one always yields its chunk (its delta may be ""). After
     it, yields "data: [DONE]\\n\\n" and stops.
 
+    One catch: a character whose UTF-8 bytes are split over two tokens decodes as "\\ufffd" (the
+    replacement character) until its last byte arrives, and then the text so far changes. So in an
+    unfinished output, trailing "\\ufffd" characters are held back (not sent yet); the finished
+    output's text is sent as it is.
+
     An async generator: it awaits `queue.get()`, so the event loop serves other requests while
     this one waits for its next token.
     """
@@ -109,8 +114,9 @@ async def stream_completion_chunks(queue: asyncio.Queue, request_id: str, model:
         if isinstance(out, BaseException):
             raise out
         completion = out.outputs[0]
-        delta = completion.text[sent:]
-        sent = len(completion.text)
+        settled = completion.text if out.finished else completion.text.rstrip("\ufffd")  # half a character: wait
+        delta = settled[sent:]
+        sent = len(settled)
         if delta or out.finished:
             chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
                      "choices": [{"index": 0, "text": delta, "logprobs": None,

@@ -184,6 +184,14 @@ def test_stream_skips_empty_deltas_but_always_sends_the_last_chunk(impl):
         [("Hi", None), ("!", None), ("", "length")]
 
 
+def test_stream_holds_back_half_a_character(impl):
+    # "é" is two bytes in UTF-8; after the first of them the text ends in U+FFFD, after the second it is "é"
+    outputs = [output("caf"), output("caf\ufffd"), output("café"), output("café \ufffd"), output("café \ufffd", True)]
+    chunks = parse(stream(impl, outputs))
+    assert [c["choices"][0]["text"] for c in chunks] == ["caf", "é", " ", "\ufffd"]  # the finished text as it ended
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "café \ufffd"
+
+
 def test_stream_keeps_each_event_on_one_line(impl):
     text = "line one\n\nline two\ndata: [DONE]\n\n\"quoted\" é"
     chunks = parse(stream(impl, [output(text[:12]), output(text[:30]), output(text, True, "stop")]))
