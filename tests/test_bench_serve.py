@@ -234,6 +234,23 @@ def test_sustainable_rate_and_knee():
     assert bs.find_knee([]) is None
 
 
+def test_past_knee():
+    assert not bs.past_knee({"failed": 0, "median_ttft_ms": 1900.0}, 2000)
+    assert bs.past_knee({"failed": 0, "median_ttft_ms": 2100.0}, 2000)
+    assert bs.past_knee({"failed": 1, "median_ttft_ms": 10.0}, 2000)
+    assert bs.past_knee({"failed": 3, "median_ttft_ms": None}, 2000)
+
+
+def test_a_sweep_stops_past_the_knee(tokenizer):
+    args = parse("--num-prompts", "4", "--input-len", "4:8", "--output-len", "2:4", "--disable-tqdm")
+    with serving(fake_app(first_delay=0.05)) as url:  # every TTFT >= 50 ms
+        missed = bs.measure_server(url, FAKE_MODEL, tokenizer, args, "fake", [1000.0, 2000.0, math.inf], {"ttft": 10.0})
+        met = bs.measure_server(url, FAKE_MODEL, tokenizer, args, "fake", [1000.0, 2000.0], {"ttft": 10000.0})
+    assert [r["request_rate"] for r in missed["runs"]] == [1000.0] and missed["rates_skipped"] == [2000.0, math.inf]
+    assert missed["sustainable_rate"] is None and missed["max_goodput"] == 0.0
+    assert [r["request_rate"] for r in met["runs"]] == [1000.0, 2000.0] and met["sustainable_rate"] == 2000.0
+
+
 def test_rates_ranges_and_prompts_per_rate():
     assert bs.parse_rates("2,0.5, 1,inf,1") == [0.5, 1.0, 2.0, math.inf]
     for bad in ("", "a,b", "1,0", "-1"):
@@ -440,6 +457,30 @@ def test_server_commands():
     seq = bs.server_command("minfer-seq", args, "smollm2-135m", 1234, "smollm2-135m")
     assert seq[seq.index("--max-num-seqs") + 1] == "1" and seq.count("--max-num-seqs") == 1
     assert bs.server_env(parse("--server-threads", "2"))["OMP_NUM_THREADS"] == "2"
+
+
+@pytest.mark.slow
+def test_launch_mode_against_the_real_minfer_server(random_tiny_dir, tmp_path):
+    """Both minfer servers started by --launch on a tiny random model; every request gets exactly its tokens,
+    and all-at-once traffic queues on the one-at-a-time server only."""
+    args = parse("--launch", "--model", random_tiny_dir, "--dtype", "float32", "--servers", "minfer,minfer-seq",
+                 "--sweep", "inf", "--num-prompts", "8", "--input-len", "8:40", "--output-len", "16:48",
+                 "--temperature", "1", "--server-threads", "1", "--startup-timeout", "120",
+                 "--json", str(tmp_path / "r.json"), "--disable-tqdm")
+    assert bs.run_serve_bench(args) == 0
+    saved = json.loads((tmp_path / "r.json").read_text())
+    by = {s["name"]: s for s in saved["servers"]}
+    assert set(by) == {"minfer", "minfer-seq"}
+    wanted = [r.max_tokens for r in bs.sample_requests(bs.load_tokenizer(random_tiny_dir), 8, (8, 40), (16, 48),
+                                                        seed=0)]
+    for server in by.values():
+        (run0,) = server["runs"]
+        assert run0["completed"] == 8, run0["errors"]
+        assert run0["output_lens"] == wanted  # ignore_eos: the server generated exactly max_tokens
+        assert all(0 < len(itl) < n for itl, n in zip(run0["itls"], wanted))  # streamed, at most a chunk per token
+    # all at once: one at a time, the last request waits for the 7 before it; batched, every one starts at once
+    seq, cont = max(by["minfer-seq"]["runs"][0]["ttfts"]), max(by["minfer"]["runs"][0]["ttfts"])
+    assert seq > 2 * cont
 
 
 if __name__ == "__main__":  # the fake server as a process of its own, for test_launched_server_starts_answers_and_stops

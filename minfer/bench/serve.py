@@ -402,6 +402,11 @@ def find_knee(runs: Sequence[dict], tolerance: float = KNEE_TOLERANCE) -> Option
     return next(rate for rate, g in points if g >= (1 - tolerance) * best)
 
 
+def past_knee(run: dict, slo_ttft_ms: float = DEFAULT_TTFT_SLO_MS) -> bool:
+    """Is this run clearly past the server's knee? Its median TTFT missed the SLO, or it lost requests."""
+    return run["failed"] > 0 or run["median_ttft_ms"] is None or run["median_ttft_ms"] > slo_ttft_ms
+
+
 def prompts_for_rate(rate: float, num_prompts: int, sweep_duration_s: Optional[float]) -> int:
     """Requests sent at one swept rate: num_prompts, or with a sweep duration about rate x duration of them
     (at least MIN_SWEEP_PROMPTS, at most num_prompts), so that low rates do not take minutes each."""
@@ -510,18 +515,27 @@ def launched_server(command: Sequence[str], base_url: str, env: Optional[dict] =
 
 def served_models(base_url: str) -> list[str]:
     """The model ids a running server lists at GET /v1/models."""
-    with httpx.Client(timeout=10.0, trust_env=False) as client:
-        response = client.get(check_loopback(base_url) + "/v1/models")
-        response.raise_for_status()
-        return [m["id"] for m in response.json()["data"]]
+    try:
+        with httpx.Client(timeout=10.0, trust_env=False) as client:
+            response = client.get(check_loopback(base_url) + "/v1/models")
+            response.raise_for_status()
+            return [m["id"] for m in response.json()["data"]]
+    except httpx.HTTPError as exc:
+        raise ValueError(f"no OpenAI-compatible server answers GET {base_url}/v1/models ({exc}): start one "
+                         "(python -m minfer serve), or pass --launch to start the servers here") from None
 
 
 # --------------------------------------------------------------------------- measuring one server
 
 def measure_server(base_url: str, model: str, tokenizer, args: argparse.Namespace, name: str,
                    rates: Sequence[float], slos_ms: dict[str, float]) -> dict:
-    """A warm-up request, then one run per rate (increasing). A sweep stops after the first rate whose p99
-    TTFT misses the TTFT SLO (or loses requests): past the knee every further rate only takes longer."""
+    """A warm-up request, then one run per rate (increasing).
+
+    A sweep stops after the first rate whose *median* TTFT misses the TTFT SLO, or that lost requests:
+    the server is then clearly past its knee (half the requests waited too long), and every higher
+    rate would only take longer to drain. A p99 miss alone does not stop it: with a few dozen requests
+    per rate, p99 is close to the maximum, and one unlucky request can miss at a rate the server does
+    sustain."""
     progress = not args.disable_tqdm
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
     warm = RequestSpec("The Python language", 3, 4)
@@ -546,8 +560,7 @@ def measure_server(base_url: str, model: str, tokenizer, args: argparse.Namespac
             print(f"[bench serve] {name} @ {rate:g} req/s: {run['completed']}/{run['num_prompts']} done in "
                   f"{duration:.1f} s, p99 TTFT {_num(run['p99_ttft_ms'])} ms, {run['output_throughput']:.1f} output tok/s",
                   file=sys.stderr)
-        over = run["failed"] > 0 or run["p99_ttft_ms"] is None or run["p99_ttft_ms"] > slo_ttft
-        if len(rates) > 1 and over and not args.no_early_stop:
+        if len(rates) > 1 and past_knee(run, slo_ttft) and not args.no_early_stop:
             break
     return {"name": name, "base_url": base_url, "model_id": model, "runs": runs,
             "sustainable_rate": sustainable_rate(runs, slo_ttft), "knee_rate": find_knee(runs),
@@ -666,7 +679,7 @@ def add_serve_bench_arguments(parser: argparse.ArgumentParser, docs_page: Union[
                    help=f"in a sweep, send about rate x S requests per rate (at least {MIN_SWEEP_PROMPTS}, "
                         "at most --num-prompts)")
     a.add_argument("--no-early-stop", action="store_true",
-                   help="sweep every rate (by default a sweep stops after the first rate past the TTFT SLO)")
+                   help="sweep every rate (by default a sweep stops after the first rate whose median TTFT misses the SLO)")
     a.add_argument("--goodput", nargs="+", type=_argtype(_slo_item), default=None, metavar="METRIC:MS",
                    help=f"SLOs for goodput, e.g. ttft:2000 tpot:100 ({', '.join(SLO_METRICS)}, in ms); a sweep's "
                         f"sustainable rate uses the ttft one (default {DEFAULT_TTFT_SLO_MS:g} ms)")
@@ -709,6 +722,16 @@ def run_serve_bench(args: argparse.Namespace, command: Optional[str] = None) -> 
         result = json.loads(Path(args.render).read_text())
         return report(result, args)
     slos = check_args(args)
+    try:
+        result = measure(args, slos, command)
+    except RuntimeError as exc:  # a server that would not start or failed its test request: say why, no traceback
+        print(f"minfer bench serve: error: {exc}", file=sys.stderr)
+        return 1
+    return report(result, args)
+
+
+def measure(args: argparse.Namespace, slos: dict[str, float], command: Optional[str] = None) -> dict:
+    """Every run the arguments ask for (the launched servers, or the running one), as one JSON-able dict."""
     started = time.perf_counter()
     rates = args.sweep or [args.request_rate]
     machine = machine_info("cpu")
@@ -741,24 +764,24 @@ def run_serve_bench(args: argparse.Namespace, command: Optional[str] = None) -> 
         server = measure_server(base_url, model, tokenizer, args, model, rates, slos)
         server.update(label=model, command=None)
         servers.append(server)
-    result = {"benchmark": "serve", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "command": command or _command_line(),
-              "machine": machine,
-              "settings": {"model": model, "dtype": args.dtype, "endpoint": args.endpoint,
-                           "num_prompts": args.num_prompts, "sweep_duration": args.sweep_duration,
-                           "input_len": list(args.input_len), "output_len": list(args.output_len),
-                           "output_dist": args.output_dist, "ignore_eos": not args.no_ignore_eos,
-                           "temperature": args.temperature, "seed": args.seed, "burstiness": args.burstiness,
-                           "max_concurrency": args.max_concurrency, "rates": rates, "goodput_slos_ms": slos,
-                           "slo_ttft_ms": slos.get("ttft", DEFAULT_TTFT_SLO_MS),
-                           "server_threads": args.server_threads or os.cpu_count(),
-                           "max_num_seqs": args.max_num_seqs, "server_args": args.server_arg},
-              "servers": servers, "ratios": ratios(servers),
-              "llama_cpp": ("measured" if any(s["name"] == "llama-cpp" for s in servers) else
-                            "llama-cpp-python not installed: not measured"
-                            if importlib.util.find_spec("llama_cpp") is None else "not asked for"),
-              "elapsed_s": time.perf_counter() - started}
-    return report(result, args)
+    if any(s["name"] == "llama-cpp" for s in servers):
+        llama_cpp = "measured"
+    elif importlib.util.find_spec("llama_cpp") is None:
+        llama_cpp = "llama-cpp-python not installed: not measured"
+    else:
+        llama_cpp = "installed, not asked for (--servers)"
+    settings = {"model": model, "dtype": args.dtype if args.launch else None, "endpoint": args.endpoint,
+                "num_prompts": args.num_prompts, "sweep_duration": args.sweep_duration,
+                "input_len": list(args.input_len), "output_len": list(args.output_len),
+                "output_dist": args.output_dist, "ignore_eos": not args.no_ignore_eos,
+                "temperature": args.temperature, "seed": args.seed, "burstiness": args.burstiness,
+                "max_concurrency": args.max_concurrency, "rates": rates, "goodput_slos_ms": slos,
+                "slo_ttft_ms": slos.get("ttft", DEFAULT_TTFT_SLO_MS),
+                "server_threads": args.server_threads or os.cpu_count(), "max_num_seqs": args.max_num_seqs,
+                "server_args": args.server_arg}
+    return {"benchmark": "serve", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command or _command_line(),
+            "machine": machine, "settings": settings, "servers": servers, "ratios": ratios(servers),
+            "llama_cpp": llama_cpp, "elapsed_s": time.perf_counter() - started}
 
 
 def _command_line() -> str:
@@ -782,10 +805,12 @@ def ratios(servers: Sequence[dict]) -> dict:
     by = {s["name"]: s["sustainable_rate"] for s in servers}
     out = {}
     for other, key in (("minfer-seq", "minfer_vs_one_at_a_time"), ("llama-cpp", "minfer_vs_llama_cpp")):
-        if by.get("minfer") and by.get(other):
-            out[key] = by["minfer"] / by[other]
-        elif "minfer" in by and other in by:
-            out[key] = None  # one of them sustained no swept rate: no ratio to state
+        if "minfer" not in by or other not in by:
+            continue
+        mine, theirs = by["minfer"], by[other]
+        # no ratio to state when one sustained none of the swept rates, or one sustained 'all at once' (inf)
+        finite = mine is not None and theirs is not None and not math.isinf(mine) and not math.isinf(theirs)
+        out[key] = mine / theirs if finite else None
     return out
 
 
@@ -804,7 +829,7 @@ def format_table(servers: Sequence[dict]) -> str:
         for r in s["runs"]:
             lines.append(
                 f"| {s['name']} | {r['request_rate']:g} | {r['completed']}/{r['num_prompts']} | {r['duration']:.1f} "
-                f"| {r['request_throughput']:.2f} | {r['output_throughput']:.1f} | {_num(r['request_goodput'], 2)} "
+                f"| {r['request_throughput']:.2f} | {r['output_throughput']:.1f} | {_num(r['request_goodput'], 2)} | "
                 + " | ".join(f"{_num(r[f'median_{m}_ms'])} / {_num(r[f'p99_{m}_ms'])}" for m in LATENCY_METRICS) + " |")
     return "\n".join(lines)
 
@@ -837,14 +862,14 @@ def format_markdown(result: dict) -> str:
                  "and the knee (the lowest swept rate whose goodput reaches 95% of the sweep's best):")
     lines.append("")
     for sv in servers:
-        skipped = f"; not run past the SLO: {', '.join(f'{r:g}' for r in sv['rates_skipped'])}" if sv["rates_skipped"] else ""
+        skipped = f"; not run (past the knee): {', '.join(f'{r:g}' for r in sv['rates_skipped'])}" if sv["rates_skipped"] else ""
         lines.append(f"- {sv['label']}: sustainable {_rate_text(sv['sustainable_rate'])}, knee "
                      f"{_rate_text(sv['knee_rate'])}, best goodput {_num(sv['max_goodput'], 2)} req/s{skipped}")
     ra = result["ratios"]
     names = {"minfer_vs_one_at_a_time": "minfer / one at a time", "minfer_vs_llama_cpp": "minfer / llama.cpp server"}
     for key, value in ra.items():
         target = TARGETS[key]
-        verdict = "– (a server sustained none of the swept rates)" if value is None else \
+        verdict = "– (one server sustained none of the swept rates, or all of them up to inf)" if value is None else \
             f"{value:.2f}× {'✓' if value >= target else '✗'}"
         lines.append(f"- {names[key]}, sustainable rate: {verdict} (target ≥ {target:g}×)")
     lines.append(f"- llama.cpp: {result['llama_cpp']}")
@@ -910,7 +935,7 @@ def plot_sweep(result: dict, path: Union[str, Path]) -> None:
     axes[2].set_title("goodput (dotted: sustainable rate)")
     axes[2].legend(fontsize=8)
     axes[2].grid(alpha=0.3)
-    fig.suptitle(f"{result['settings']['model']} {result['settings']['dtype']}, "
+    fig.suptitle(f"{result['settings']['model']} {result['settings']['dtype'] or ''}, "
                  f"{result['machine']['cores']} CPU cores: latency against throughput")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
