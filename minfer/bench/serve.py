@@ -897,6 +897,7 @@ def plot_sweep(result: dict, path: Union[str, Path]) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
     slo = result["settings"]["slo_ttft_ms"]
@@ -910,6 +911,10 @@ def plot_sweep(result: dict, path: Union[str, Path]) -> None:
                 y = [r[f"{q}_{metric}_ms"] for r in runs]
                 ax.plot(x, [float("nan") if v is None else v / 1000 for v in y], style, color=color,
                         label=f"{server['name']} {'p50' if q == 'median' else q}")
+        for r, xi in zip(runs, x):  # which offered rate each point is
+            if r["p99_ttft_ms"] is not None:
+                axes[0].annotate(f"{r['request_rate']:g}", (xi, r["p99_ttft_ms"] / 1000), textcoords="offset points",
+                                 xytext=(3, 4), fontsize=7, color=color)
         finite = [r for r in runs if not math.isinf(r["request_rate"])]
         axes[2].plot([r["request_rate"] for r in finite],
                      [r["request_goodput"] if r["request_goodput"] is not None else r["request_throughput"] for r in finite],
@@ -918,8 +923,12 @@ def plot_sweep(result: dict, path: Union[str, Path]) -> None:
             axes[2].axvline(server["sustainable_rate"], color=color, linestyle=":", alpha=0.7)
     axes[0].axhline(slo / 1000, color="tab:red", linestyle=":", label=f"SLO {slo / 1000:g} s")
     axes[0].set_yscale("log")
+    plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")  # 0.5, 2, 10 rather than 5x10^-1
+    axes[0].yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    axes[0].yaxis.set_major_formatter(plain)
+    axes[0].yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axes[0].set_ylabel("TTFT (s, log scale)")
-    axes[0].set_title("time to first token")
+    axes[0].set_title("time to first token (numbers: offered req/s)")
     axes[1].set_ylabel("TPOT (s)")
     axes[1].set_title("time per output token")
     for ax in axes[:2]:
@@ -928,8 +937,12 @@ def plot_sweep(result: dict, path: Union[str, Path]) -> None:
         ax.grid(alpha=0.3)
     rates = [r for r in result["settings"]["rates"] if not math.isinf(r)]
     if rates:
-        top = max(rates)
-        axes[2].plot([0, top], [0, top], color="black", linewidth=0.8, alpha=0.4, label="goodput = offered rate")
+        axes[2].plot(rates, rates, color="black", linewidth=0.8, alpha=0.4, label="goodput = offered rate")
+        if max(rates) / min(rates) > 8:  # rates doubling across the sweep: equal steps on a log axis
+            axes[2].set_xscale("log", base=2)
+            axes[2].set_yscale("log", base=2)
+            axes[2].xaxis.set_major_formatter(plain)
+            axes[2].yaxis.set_major_formatter(plain)
     axes[2].set_xlabel("offered request rate (req/s)")
     axes[2].set_ylabel("goodput (req/s meeting the SLO)")
     axes[2].set_title("goodput (dotted: sustainable rate)")
