@@ -97,6 +97,10 @@ class EngineConfig:
     (the default) runs every step eagerly: measured on CPU, compiling costs about 40 s and gains
     nothing over the eager step (docs/benchmarks.md); on CUDA it is not measured yet.
 
+    bucket_step_shapes: pad every step's token count up to a fixed size (`minfer.engine.buckets`),
+    so that the matmuls meet a bounded set of shapes: no kernel compiles in a long-running decode
+    loop, and memory that stays flat (minfer's own; False runs every step at its exact size).
+
     Construction checks what can be checked without the model; `fit_to_model` finishes the job
     once the model's shape is known. device and dtype are resolved to torch objects.
     """
@@ -120,6 +124,7 @@ class EngineConfig:
     speculative_model: Any = None
     num_speculative_tokens: Optional[int] = None
     enforce_eager: Optional[bool] = None
+    bucket_step_shapes: bool = True
 
     @classmethod
     def from_kwargs(cls, caller: str, **kwargs) -> "EngineConfig":
@@ -144,6 +149,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be 'auto' (the model's dtype) or 'int8', got {self.kv_cache_dtype!r}")
+        if not isinstance(self.bucket_step_shapes, bool):
+            raise ValueError(f"bucket_step_shapes must be True or False, got {self.bucket_step_shapes!r}")
         if self.enforce_eager not in (None, True, False):
             raise ValueError(f"enforce_eager must be True, False or None (choose per device), got {self.enforce_eager!r}")
         check_quantization_args(self.quantization, self.quantization_group_size)

@@ -88,8 +88,10 @@ def test_runner_packs_prefills_then_decodes_with_their_slots_and_logits_rows():
     prefilling.num_computed = 4  # a chunk of 3 of its 5 remaining prompt tokens
     # scored: its first chunk of 5, all of its prompt
     step = runner.prepare([(decoding, 1), (prefilling, 3), (scored, 5)])
-    assert step.input_ids.tolist() == [[14, 15, 16, 20, 21, 22, 23, 24, 6]]  # prefills first, the decode last
-    assert step.positions.tolist() == [[4, 5, 6, 0, 1, 2, 3, 4, 5]]
+    # prefills first, the decode last, then padding up to the bucket of 16 (minfer.engine.buckets)
+    assert step.input_ids.tolist() == [[14, 15, 16, 20, 21, 22, 23, 24, 6] + [0] * 7]
+    assert step.positions.tolist() == [[4, 5, 6, 0, 1, 2, 3, 4, 5] + [0] * 7]
+    assert step.paged.num_tokens == 9
     expected_slots = [blocks_table[p // 4] * 4 + p % 4 for blocks_table, positions in
                       ((prefilling.block_table, [4, 5, 6]), (scored.block_table, range(5)), (decoding.block_table, [5]))
                       for p in positions]

@@ -12,9 +12,9 @@ Two things keep the graph traceable and its shapes few:
   registered custom op that only says "q, k, v of this layer in, attention out"; the step it
   serves is the one `active(step)` installed for the duration of the forward pass (the way vLLM
   passes its attention metadata, through a forward context).
-* **Token counts come in buckets.** Every new shape means a new compilation, so a decode batch of
-  n sequences is padded to the next size in `BUCKETS`; the padding rows compute garbage that
-  nothing reads, and attention never sees them (it is given the real rows only).
+* **Token counts come in buckets.** Every new shape means a new compilation; the model runner
+  already pads every step to a size of `minfer.engine.buckets` (the padding rows compute garbage
+  that nothing reads, and attention skips them), so one graph per bucket serves every batch.
 
 Only steps in which every sequence decodes one plain token are compiled; prompt chunks,
 speculative verification and prompt scoring run eagerly. Whether compiling pays depends on the
@@ -24,21 +24,21 @@ device and on how long the process lives (compiling the buckets takes tens of se
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 
 from minfer.layers.attention import AttentionFn
 from minfer.models.llama import LlamaModel
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+MAX_COMPILED_TOKENS = 512  # larger decode steps run eagerly (a step of 512 sequences is beyond any default)
 
-_active: dict = {}  # during one forward pass: the step, its real token count, the model's attention function
+_active: dict = {}  # during one forward pass: the step and the model's attention function
 
 
 @contextlib.contextmanager
-def active(step, num_tokens: int, attention_fn: AttentionFn) -> Iterator[None]:
-    _active.update(step=step, num_tokens=num_tokens, attention_fn=attention_fn)
+def active(step, attention_fn: AttentionFn) -> Iterator[None]:
+    _active.update(step=step, attention_fn=attention_fn)
     try:
         yield
     finally:
@@ -47,11 +47,8 @@ def active(step, num_tokens: int, attention_fn: AttentionFn) -> Iterator[None]:
 
 @torch.library.custom_op("minfer::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-    """The active step's attention for its real rows (the rest are bucket padding: zeros)."""
-    out = torch.zeros_like(q)
-    rows = slice(0, _active["num_tokens"])
-    out[:, :, rows] = _active["step"].attend(layer, q[:, :, rows], k[:, :, rows], v[:, :, rows], _active["attention_fn"])
-    return out
+    """The active step's attention (its bucket-padding rows come out as zeros)."""
+    return _active["step"].attend(layer, q, k, v, _active["attention_fn"])
 
 
 @paged_attention.register_fake
@@ -70,11 +67,6 @@ class _OpaqueCache:
         """Nothing to do: the paged step knows its positions."""
 
 
-def bucket_for(num_tokens: int) -> Optional[int]:
-    """The smallest bucket that holds num_tokens, or None if it is larger than all of them."""
-    return next((b for b in BUCKETS if b >= num_tokens), None)
-
-
 class CompiledDecode:
     def __init__(self, model: LlamaModel) -> None:
         self.model = model
@@ -86,9 +78,7 @@ class CompiledDecode:
         return self.model(input_ids, positions, self.cache, last_only=False)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, step, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Logits [1, len(logits_indices), vocab] of a decode step, as the eager model gives them."""
-        num_tokens = input_ids.shape[1]
-        pad = bucket_for(num_tokens) - num_tokens
-        with active(step, num_tokens, self.model.attention_fn), torch.inference_mode():  # freezing needs it
-            logits = self.forward(torch.nn.functional.pad(input_ids, (0, pad)), torch.nn.functional.pad(positions, (0, pad)))
+        """Logits [1, len(logits_indices), vocab] of a decode step (padded to a bucket), as the eager model gives them."""
+        with active(step, self.model.attention_fn), torch.inference_mode():  # freezing needs it
+            logits = self.forward(input_ids, positions)
         return logits[:, logits_indices]

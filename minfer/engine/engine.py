@@ -43,6 +43,7 @@ from minfer.spec import Proposer, SpecDecodeStats, make_proposer, verify
 @dataclass
 class EngineStats:
     computed_tokens: int = 0  # tokens run through the model (prefill chunks, recomputes, decodes)
+    padding_tokens: int = 0  # rows added to reach each step's bucket size (minfer.engine.buckets)
     steps: int = 0
     peak_blocks_used: int = 0
 
@@ -128,6 +129,7 @@ class Engine:
         output = self.runner.run(batch)
         self._score_prompts(output)
         self._advance(batch, output.num_tokens)
+        self.stats.padding_tokens += output.num_padding
         return self._postprocess(output)
 
     def _score_prompts(self, output: StepOutput) -> None:

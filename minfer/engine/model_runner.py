@@ -6,6 +6,7 @@ sequences and tokens:
 * the KV pool, sized here from the engine config (the blocks that fit the memory budget);
 * the step's tensors (`prepare`): the new tokens of every scheduled sequence packed into one row,
   their positions, the KV slot each one is written to, and each sequence's block table and length;
+  the row padded to a fixed bucket size, so that the matmuls meet few shapes (`buckets.py`);
 * the attention path: the Triton kernels on CUDA, the gather path on CPU or when a learner's
   attention function replaced the model's (the kernels cannot call it);
 * the forward pass, with logits only where someone reads them;
@@ -25,7 +26,8 @@ from typing import Optional
 import torch
 
 from minfer.config import CPU_KV_CACHE_BYTES, EngineConfig
-from minfer.engine.compiled_decode import CompiledDecode, bucket_for
+from minfer.engine.buckets import bucket_for
+from minfer.engine.compiled_decode import MAX_COMPILED_TOKENS, CompiledDecode
 from minfer.engine.paged_kv import KVPool, PagedStep, SequenceSlice
 from minfer.layers.attention import attention_sdpa
 from minfer.layers.sampler import sample_next_tokens
@@ -48,15 +50,16 @@ class StepOutput:
     tokens: list[Optional[int]]
     scored: list[tuple[Sequence, int, int]]
     logits: torch.Tensor
-    num_tokens: int  # tokens run through the model
+    num_tokens: int  # the scheduled tokens run through the model
+    num_padding: int = 0  # rows added to reach the step's bucket size
 
 
 @dataclass
 class PreparedStep:
     """The tensors of one step, and which logits rows belong to whom."""
 
-    input_ids: torch.Tensor  # [1, tokens]
-    positions: torch.Tensor  # [1, tokens]
+    input_ids: torch.Tensor  # [1, tokens + padding]
+    positions: torch.Tensor  # [1, tokens + padding]
     paged: PagedStep
     logits_indices: torch.Tensor  # the rows to compute logits for: sampling rows, then prompt-scoring rows
     sampled: list[tuple[Sequence, slice]] = field(default_factory=list)  # logits rows of each sampled sequence
@@ -81,6 +84,7 @@ class ModelRunner:
         # Eager unless asked (see EngineConfig.enforce_eager for the measurements behind it).
         eager = True if config.enforce_eager is None else config.enforce_eager
         self.compiled = None if eager else CompiledDecode(model)
+        self.pad_to_buckets = config.bucket_step_shapes or self.compiled is not None  # a graph per shape needs buckets
 
     def _blocks_for_memory(self) -> int:
         """How many KV blocks fit the budget. On CUDA: run one full-size step first, then give the
@@ -139,13 +143,15 @@ class ModelRunner:
                 sampled.append((seq, rows))
         device = self.device
         paged = PagedStep(self.pool, slices, torch.tensor(positions), self.kernels_on())
+        padding = bucket_for(len(input_ids)) - len(input_ids) if self.pad_to_buckets else 0
+        input_ids, positions = input_ids + [0] * padding, positions + [0] * padding  # rows nobody reads
         return PreparedStep(torch.tensor([input_ids], device=device), torch.tensor([positions], device=device), paged,
                             torch.tensor(sample_at + score_at, dtype=torch.long, device=device), sampled, scored)
 
     def run(self, batch: list[tuple[Sequence, int]]) -> StepOutput:
         """Prepare, run the model, and sample every sequence that gets a plain next token."""
         step = self.prepare(batch)
-        if self.compiled is not None and step.plain_decode and bucket_for(step.input_ids.shape[1]):
+        if self.compiled is not None and step.plain_decode and step.input_ids.shape[1] <= MAX_COMPILED_TOKENS:
             logits = self.compiled(step.input_ids, step.positions, step.paged, step.logits_indices)[0]
         else:
             logits = self.model(step.input_ids, step.positions, step.paged, logits_indices=step.logits_indices)[0]
@@ -156,4 +162,5 @@ class ModelRunner:
         tokens: list[Optional[int]] = [None] * len(step.sampled)
         for i, token in zip(plain, drawn):
             tokens[i] = token
-        return StepOutput(step.sampled, tokens, step.scored, logits, step.input_ids.shape[1])
+        num_tokens = step.paged.num_tokens
+        return StepOutput(step.sampled, tokens, step.scored, logits, num_tokens, step.input_ids.shape[1] - num_tokens)

@@ -134,6 +134,7 @@ class PagedStep:
         increasing context length on the gather path); positions: the packed tokens' positions (a
         CPU tensor), from which each token's KV slot follows."""
         self.pool, self.slices, self.use_kernels = pool, slices, use_kernels
+        self.num_tokens = len(positions)  # the packed row may be longer: bucket padding (minfer.engine.buckets)
         self.prefills = [s for s in slices if s.query_len > 1]
         self.decodes = [s for s in slices if s.query_len == 1]
         self.decode_start = self.decodes[0].query_start if self.decodes else len(positions)
@@ -163,7 +164,13 @@ class PagedStep:
                mask: None = None) -> torch.Tensor:
         """q [1, heads, tokens, dim], k/v [1, kv_heads, tokens, dim] of the packed new tokens -> attention output.
 
-        (No mask: who sees what follows from each sequence's slice.)"""
+        (No mask: who sees what follows from each sequence's slice.) Rows past the step's tokens
+        are bucket padding: they store nothing, attend to nothing and come out as zeros."""
+        if q.shape[2] > self.num_tokens:
+            out = torch.zeros_like(q)
+            real = slice(0, self.num_tokens)
+            out[:, :, real] = self.attend(layer, q[:, :, real], k[:, :, real], v[:, :, real], attention_fn)
+            return out
         if self.use_kernels:
             return self._attend_with_kernels(layer, q, k, v)
         self.pool.store(layer, k[0].transpose(0, 1), v[0].transpose(0, 1), self.slot_mapping)
