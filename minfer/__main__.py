@@ -4,6 +4,7 @@
     python -m minfer serve [MODEL] [--port 8000] [engine args]   an OpenAI-compatible server (minfer/serving)
     python -m minfer bench [--quick] [--json PATH] [--update-docs PATH] ...   minfer vs transformers vs the matmul floor
     python -m minfer bench serve [--base-url URL] [--request-rate R] ...   load-test an OpenAI-compatible server
+    python -m minfer bench soak [--requests N] [--compare]   mixed requests for a long time: does memory stay flat?
 """
 from __future__ import annotations
 
@@ -57,6 +58,12 @@ def serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
+def bench_soak(args: argparse.Namespace) -> int:
+    from minfer.bench.soak import run_soak
+
+    return run_soak(args)
+
+
 def bench_serve(args: argparse.Namespace) -> int:
     from minfer.bench.serve import run_serve_bench
 
@@ -66,6 +73,7 @@ def bench_serve(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from minfer.bench.generate import add_bench_arguments
     from minfer.bench.serve import add_serve_bench_arguments
+    from minfer.bench.soak import add_soak_arguments
     from minfer.serving.api_server import add_serve_arguments
 
     parser = argparse.ArgumentParser(prog="minfer", description="minfer: a compact LLM inference engine")
@@ -90,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     bs = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server: latency percentiles, goodput, rate sweeps")
     add_serve_bench_arguments(bs)
     bs.set_defaults(func=bench_serve)
+    bk = bench_sub.add_parser("soak", help="thousands of mixed requests through the engine: memory, leaked blocks, plateau")
+    add_soak_arguments(bk)
+    bk.set_defaults(func=bench_soak)
     return parser
 
 
