@@ -99,7 +99,7 @@ def test_runner_packs_prefills_then_decodes_with_their_slots_and_logits_rows():
     # logits rows: the two sequences that reach their end sample (scored, then the decode), then
     # the scored prompt positions 0..3 (each predicts the next prompt token)
     assert [seq for seq, _ in step.sampled] == [scored, decoding]
-    assert step.logits_indices.tolist() == [7, 8, 3, 4, 5, 6]
+    assert step.logits_indices.tolist() == [7, 8, 3, 4, 5, 6, 0, 0]  # padded to a bucket: rows nobody reads
     assert step.scored == [(scored, 0, 4)]
 
 

@@ -142,11 +142,14 @@ class ModelRunner:
                 sample_at += range(len(input_ids) - 1 - len(seq.spec_token_ids), len(input_ids))
                 sampled.append((seq, rows))
         device = self.device
-        paged = PagedStep(self.pool, slices, torch.tensor(positions), self.kernels_on())
-        padding = bucket_for(len(input_ids)) - len(input_ids) if self.pad_to_buckets else 0
-        input_ids, positions = input_ids + [0] * padding, positions + [0] * padding  # rows nobody reads
+        paged = PagedStep(self.pool, slices, torch.tensor(positions), self.kernels_on(), self.config.bucket_step_shapes)
+        logits_rows = sample_at + score_at
+        if self.pad_to_buckets:  # rows nobody reads: the model's, and the output head's
+            padding = bucket_for(len(input_ids)) - len(input_ids)
+            input_ids, positions = input_ids + [0] * padding, positions + [0] * padding
+            logits_rows = logits_rows + [0] * (bucket_for(len(logits_rows)) - len(logits_rows)) if logits_rows else []
         return PreparedStep(torch.tensor([input_ids], device=device), torch.tensor([positions], device=device), paged,
-                            torch.tensor(sample_at + score_at, dtype=torch.long, device=device), sampled, scored)
+                            torch.tensor(logits_rows, dtype=torch.long, device=device), sampled, scored)
 
     def run(self, batch: list[tuple[Sequence, int]]) -> StepOutput:
         """Prepare, run the model, and sample every sequence that gets a plain next token."""

@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 
 from minfer.config import KV_CACHE_DTYPES, ModelConfig
+from minfer.engine.buckets import bucket_for
 from minfer.formats.kv import dequantize_kv, quantize_kv
 from minfer.kernels.paged_cache import gather_blocks, slots_for_positions
 from minfer.layers.attention import AttentionFn
@@ -129,10 +130,12 @@ class DecodeBucket:
 
 class PagedStep:
     def __init__(self, pool: KVPool, slices: list[SequenceSlice], positions: torch.Tensor,
-                 use_kernels: bool = False) -> None:
+                 use_kernels: bool = False, bucket_widths: bool = False) -> None:
         """slices: the scheduled sequences, prefills first, then decodes (one query each, by
         increasing context length on the gather path); positions: the packed tokens' positions (a
-        CPU tensor), from which each token's KV slot follows."""
+        CPU tensor), from which each token's KV slot follows. bucket_widths: on the gather path, pad
+        a group of decodes to a bucket of blocks (`minfer.engine.buckets`), so that the attention
+        matmuls meet few shapes too."""
         self.pool, self.slices, self.use_kernels = pool, slices, use_kernels
         self.num_tokens = len(positions)  # the packed row may be longer: bucket padding (minfer.engine.buckets)
         self.prefills = [s for s in slices if s.query_len > 1]
@@ -155,7 +158,8 @@ class PagedStep:
         else:  # the gather path: tables built once per step, not once per layer
             self.prefill_tables = [tables[i:i + 1, :len(s.block_table)].to(device) for i, s in enumerate(self.prefills)]
             self.prefill_runs = [first_of_run(s.block_table) for s in self.prefills]
-            self.decode_buckets = [decode_bucket(group, pool.block_size, device) for group in split_by_length(self.decodes)]
+            self.decode_buckets = [decode_bucket(group, pool.block_size, device, bucket_widths)
+                                   for group in split_by_length(self.decodes)]
 
     def advance(self, num_tokens: int) -> None:
         """Nothing to do: positions and lengths come from the scheduler for every step."""
@@ -225,8 +229,12 @@ def split_by_length(decodes: list[SequenceSlice], min_per_bucket: int = 8, max_b
     return [decodes[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-def decode_bucket(decodes: list[SequenceSlice], block_size: int, device: torch.device) -> DecodeBucket:
-    tables = block_tables(decodes).to(device)
+def decode_bucket(decodes: list[SequenceSlice], block_size: int, device: torch.device,
+                  bucket_width: bool = False) -> DecodeBucket:
+    tables = block_tables(decodes)
+    if bucket_width and len(decodes) > 1:  # (a lone sequence may be read in place: no padding there)
+        tables = torch.nn.functional.pad(tables, (0, bucket_for(tables.shape[1]) - tables.shape[1]))  # block 0: masked
+    tables = tables.to(device)
     width = tables.shape[1] * block_size
     lens = torch.tensor([s.context_len for s in decodes], device=device)
     mask = (torch.arange(width, device=device)[None] < lens[:, None])[:, None, None, :]
