@@ -193,6 +193,45 @@ def plateau(samples: list, warmup_fraction: float = 0.4, flat_from: int = 2000) 
             "heap_growth_mib": heap[-1] - heap[0] if heap else None, "verdict": "plateaued" if ok else "still growing"}
 
 
+# ---------------------------------------------------------------- what the buckets cost and save
+def step_times(llm: LLM, requests: list[SoakRequest]) -> dict:
+    """Run the (valid) requests through the engine, all queued at once; time every step.
+
+    Process CPU time, not wall time: on a shared machine other work inflates the wall clock, not
+    the CPU this process spends (run it with one torch thread)."""
+    for r in requests:
+        if r.kind != "invalid":
+            llm.add_request(r.prompt, SamplingParams(**r.params))
+    times, tokens = [], 0
+    started = time.process_time()
+    while llm.has_unfinished_requests():
+        t = time.process_time()
+        tokens += sum(1 for _ in llm.step())
+        times.append(time.process_time() - t)
+    total = time.process_time() - started
+    times.sort()
+    return {"cpu_s": total, "steps": len(times), "median_step_ms": 1e3 * times[len(times) // 2],
+            "p99_step_ms": 1e3 * times[int(0.99 * (len(times) - 1))], "max_step_ms": 1e3 * times[-1]}
+
+
+def bucket_ab(model: str, dtype: str, num_requests: int, rounds: int = 2, seed: int = 1) -> dict:
+    """Buckets on against off, the same requests, alternating (on, off, on, off...) in one process.
+
+    Each round uses new requests (new lengths, so new shapes for the unbucketed engine: the
+    compiles a long-running server keeps meeting)."""
+    rng, words = random.Random(seed), prompt_words()
+    llms = {True: LLM(model, dtype=dtype, device="cpu"), False: LLM(model, dtype=dtype, device="cpu", bucket_step_shapes=False)}
+    runs: dict[bool, list[dict]] = {True: [], False: []}
+    for _ in range(rounds):
+        requests = [random_request(rng, words) for _ in range(num_requests)]
+        for bucketed in (True, False):
+            runs[bucketed].append(step_times(llms[bucketed], requests))
+    padding = llms[True].engine.stats.padding_tokens / llms[True].engine.stats.computed_tokens
+    cpu = {b: sum(r["cpu_s"] for r in rs) for b, rs in runs.items()}
+    return {"rounds": rounds, "requests_per_round": num_requests, "buckets": runs[True], "exact": runs[False],
+            "cpu_ratio_exact_over_buckets": cpu[False] / cpu[True], "padding_fraction": padding}
+
+
 # ---------------------------------------------------------------- through the HTTP server
 def server_metrics(base_url: str) -> dict[str, float]:
     """The server's gauges and counters from GET /metrics, by name without the `minfer:` prefix."""
@@ -293,6 +332,8 @@ def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", dest="json_path", default=None, help="write the result here")
     parser.add_argument("--server", action="store_true",
                         help="through `python -m minfer serve` with concurrent openai clients (aborts become disconnects)")
+    parser.add_argument("--ab", type=int, default=0, metavar="ROUNDS",
+                        help="buckets on vs off on the same requests, ROUNDS alternations, process CPU time per step")
     parser.add_argument("--compare", action="store_true",
                         help="run every variant of DEFAULT_VARIANTS in its own process, one after another")
     parser.add_argument("--no-progress", action="store_true")
@@ -302,7 +343,14 @@ def run_soak(args: argparse.Namespace) -> int:
     for name in ("requests", "sample_every", "in_flight"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.compare:
+    if args.ab:
+        result = bucket_ab(args.model, args.dtype, args.requests, args.ab, args.seed)
+        for name in ("buckets", "exact"):
+            for r in result[name]:
+                print(f"{name}: {r}")
+        print(f"CPU time without buckets / with: {result['cpu_ratio_exact_over_buckets']:.3f}; "
+              f"padding {100 * result['padding_fraction']:.1f} % of the rows")
+    elif args.compare:
         result = compare_variants(args)
         print(format_table(result))
     elif args.server:
