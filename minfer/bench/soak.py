@@ -403,12 +403,10 @@ def format_table(result: dict) -> str:
 
 
 def plot_variants(result: dict, path: Union[str, Path]) -> None:
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: the caller's backend (a notebook's) stays as it is
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig = Figure(figsize=(8, 4.5))
+    ax = fig.add_subplot()
     for name, run in result["variants"].items():
         rows = run["samples"][1:]
         ax.plot([r["requests"] for r in rows], [r["rss_mib"] for r in rows], marker=".", label=name)
@@ -419,4 +417,3 @@ def plot_variants(result: dict, path: Union[str, Path]) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
