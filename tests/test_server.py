@@ -8,9 +8,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
-import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,15 +18,11 @@ import openai
 import pytest
 
 from minfer import SamplingParams
+from minfer.bench.serve import free_port, stop_server, wait_until_ready
+from minfer.bench.soak import server_metrics
 
 MODEL = "smollm2-135m"
 pytestmark = pytest.mark.slow  # servers start in subprocesses: about 90 s for the file
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -40,37 +34,20 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, "-m", "minfer", "serve", model, "--port", str(self.port), *args],
                                      env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.proc.stdout.read()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError("the server did not become ready within 120 s")
+        try:
+            wait_until_ready(self.url, self.proc, timeout_s=120)
+        except RuntimeError as exc:
+            self.stop()
+            raise RuntimeError(f"{exc}:\n{self.proc.stdout.read()}") from None
 
     def client(self, api_key: str = "unused", **kwargs) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, **kwargs)
 
     def metric(self, name: str) -> float:
-        text = httpx.get(self.url + "/metrics").text
-        match = re.search(rf"^minfer:{name}\{{[^}}]*\}} (\S+)$", text, re.M)
-        assert match, f"minfer:{name} is not in /metrics"
-        return float(match.group(1))
+        return server_metrics(self.url)[name]
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_server(self.proc)
 
 
 def wait_until(condition, timeout: float = 10.0) -> bool:
