@@ -16,7 +16,9 @@ from minfer.formats.weights import INT4_GROUP_SIZES
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
 KV_CACHE_DTYPES = ("auto", "int8")  # vLLM's names; its "fp8" formats are not implemented here
-QUANTIZATION_METHODS = ("int8", "int4", "awq")  # awq: int4 with activation-aware scales (minfer.quant.awq)
+# awq, gptq: int4 with activation-aware scales (minfer.quant.awq), with GPTQ's codes (minfer.quant.gptq)
+QUANTIZATION_METHODS = ("int8", "int4", "awq", "gptq")
+INT4_METHODS = ("int4", "awq", "gptq")
 MAX_SPECULATIVE_TOKENS = 16
 CPU_KV_CACHE_BYTES = 2**30  # the KV pool on CPU when no size is given
 
@@ -78,7 +80,7 @@ class EngineConfig:
     Model: model (a name such as 'smollm2-135m', a .gguf file or a Hugging Face directory), dtype
     ('auto' | 'float32' | 'bfloat16' | 'float16'; auto: bfloat16 on CUDA, float32 on CPU), device
     ('auto' | 'cpu' | 'cuda'), seed (for requests that bring no seed), max_model_len (the context
-    window; default the model's). quantization None | 'int8' | 'int4' | 'awq' and
+    window; default the model's). quantization None | 'int8' | 'int4' | 'awq' | 'gptq' and
     quantization_group_size (int4 only: 32, 64 or 128; see `minfer.quant.linear`).
 
     KV cache: block_size (tokens per block), kv_cache_dtype ('auto' = the model's dtype, or 'int8'),
@@ -237,8 +239,8 @@ def check_quantization_args(quantization: Optional[str], group_size: Optional[in
     """What can be checked before loading anything (the group size is checked against the model later)."""
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"unknown quantization {quantization!r}: use one of {QUANTIZATION_METHODS} or None")
-    if group_size is not None and quantization not in ("int4", "awq"):
-        raise ValueError(f"quantization_group_size applies to quantization='int4' only (and 'awq', an int4), "
+    if group_size is not None and quantization not in INT4_METHODS:
+        raise ValueError(f"quantization_group_size applies to the int4 methods {INT4_METHODS} only, "
                          f"got {group_size!r} with quantization={quantization!r}")
     if group_size is not None and group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"quantization_group_size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")

@@ -23,7 +23,8 @@ from minfer.models.llama import LlamaModel
 from minfer.models.loader import DEFAULT_MODEL, load_model
 from minfer.outputs import RequestMetrics, RequestOutput
 from minfer.quant.awq import calibration_token_ids
-from minfer.quant.linear import quantize_model
+from minfer.quant.checkpoint import build_quantized_model
+from minfer.quant.linear import CALIBRATED_METHODS, quantize_model
 from minfer.sampling_params import SamplingParams
 from minfer.sequence import Request, Sequence
 
@@ -60,10 +61,17 @@ class LLM:
         config.fit_to_model(loaded.config)
         self.config, self.tokenizer, self.model_path = loaded.config, loaded.tokenizer, loaded.path
         self.device, self.dtype = config.device, config.dtype
-        self.model = LlamaModel.from_weights(loaded.config, loaded.weights, config.dtype, config.device)
+        if loaded.quantization is not None:  # a saved quantized checkpoint (minfer.quant.checkpoint): as stored
+            if config.quantization not in (None, loaded.quantization["method"]):
+                raise ValueError(f"{loaded.path} is a {loaded.quantization['method']!r} checkpoint: pass "
+                                 f"quantization=None or {loaded.quantization['method']!r}, not {config.quantization!r}")
+            self.model = build_quantized_model(loaded, config.dtype, config.device)
+        else:
+            self.model = LlamaModel.from_weights(loaded.config, loaded.weights, config.dtype, config.device)
+        quantize_now = config.quantization is not None and loaded.quantization is None
         del loaded
-        if config.quantization is not None:
-            calibration = calibration_token_ids(self.tokenizer) if config.quantization == "awq" else None
+        if quantize_now:
+            calibration = calibration_token_ids(self.tokenizer) if config.quantization in CALIBRATED_METHODS else None
             quantize_model(self.model, config.quantization, config.quantization_group_size,
                            calibration_token_ids=calibration)
         if config.device.type == "cpu":

@@ -215,7 +215,7 @@ def test_int4_falls_back_where_the_cpu_kernel_cannot_run():
 def test_bad_quantization_arguments(tiny):
     with pytest.raises(ValueError, match="int8"):
         LLM(tiny.model_path, device="cpu", quantization="fp8")
-    with pytest.raises(ValueError, match="applies to quantization='int4' only"):
+    with pytest.raises(ValueError, match="applies to the int4 methods"):
         LLM(tiny.model_path, device="cpu", quantization="int8", quantization_group_size=64)
     with pytest.raises(ValueError, match="32, 64, 128"):
         LLM(tiny.model_path, device="cpu", quantization="int4", quantization_group_size=100)

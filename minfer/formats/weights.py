@@ -81,10 +81,19 @@ def quantize_int4_groupwise(w: torch.Tensor, group_size: int) -> tuple[torch.Ten
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     scale = ((high - low) / INT4_LEVELS).to(torch.float16)
     minimum = low.to(torch.float16)
+    q = round_to_int4_grid(groups, scale[..., None], minimum[..., None])
+    return q.reshape(out_features, in_features), scale, minimum
+
+
+def round_to_int4_grid(w: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """The nearest point of the grid q * scale + min, q in 0..15, for each weight (scale, min broadcast to w).
+
+    Values outside the grid's range go to its ends (GPTQ meets them: the error it pushes onto later
+    columns can carry them past the range their group's grid was fitted to).
+    """
     # A constant group has scale 0: every weight is its minimum (q = 0 reproduces it exactly).
     safe = torch.where(scale == 0, torch.ones_like(scale), scale).float()
-    q = torch.round((groups - minimum.float()[..., None]) / safe[..., None]).clamp(0, INT4_LEVELS)
-    return q.to(torch.uint8).reshape(out_features, in_features), scale, minimum
+    return torch.round((w.float() - minimum.float()) / safe).clamp(0, INT4_LEVELS).to(torch.uint8)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

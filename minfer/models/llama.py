@@ -122,13 +122,20 @@ class LlamaModel(nn.Module):
     def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor],
                      dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "LlamaModel":
         """Build the model and load a checkpoint, skipping the random init a checkpoint overwrites."""
+        model = cls.empty(config, dtype, device)
+        model.load_weights(weights)
+        return model
+
+    @classmethod
+    def empty(cls, config: ModelConfig, dtype: torch.dtype = torch.float32,
+              device: str | torch.device = "cpu") -> "LlamaModel":
+        """The model with uninitialised weights (RoPE tables computed), ready for `load_weights`."""
         with torch.device("meta"):
             model = cls(config)
         model = model.to_empty(device=device).to(dtype)
         model.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta).to(device)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
-        model.load_weights(weights)
         return model.eval()
 
     @torch.inference_mode()

@@ -12,6 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -32,6 +33,9 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     tokenizer: object  # a transformers tokenizer
     path: str
+    # a quantized checkpoint's `quantization_config` (minfer.quant.checkpoint); its quantized tensors are
+    # then in `weights` as stored, the float ones in the dtype asked for
+    quantization: Optional[dict] = None
 
 
 def resolve_model_path(model: str) -> str:
@@ -209,25 +213,33 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     files = sorted(Path(path).glob("*.safetensors"))
     if not config_file.is_file() or not files:
         raise ValueError(f"{path!r} must hold config.json and *.safetensors files")
+    from minfer.quant.checkpoint import check_quantization_config, is_quantized_tensor
+
     try:
-        config = hf_config_to_model_config(json.loads(config_file.read_text()))
+        hf = json.loads(config_file.read_text())
+        config = hf_config_to_model_config(hf)
     except (json.JSONDecodeError, KeyError) as exc:
         raise ValueError(f"{config_file} is not a valid model config ({exc!r})") from exc
+    quantization = hf.get("quantization_config")
+    if quantization is not None:
+        check_quantization_config(quantization, config, str(config_file))
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         try:
             weights.update(load_file(str(file)))
         except Exception as exc:
             raise ValueError(f"{file} is not a readable safetensors file ({exc})") from exc
-    weights = {name: w.to(dtype) for name, w in weights.items()}
+    # quantized codes, scales and minimums stay exactly as stored
+    weights = {name: w if quantization and is_quantized_tensor(name) else w.to(dtype) for name, w in weights.items()}
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return LoadedModel(config, weights, tokenizer, path)
+    return LoadedModel(config, weights, tokenizer, path, quantization)
 
 
 def save_hf_checkpoint(loaded: LoadedModel, folder: str) -> None:
     """Write weights, config and tokenizer as a plain Hugging Face checkpoint.
 
-    Used to give transformers exactly the dequantized weights minfer runs, so comparisons are fair.
+    Used to give transformers exactly the dequantized weights minfer runs, so comparisons are fair,
+    and to write minfer's quantized checkpoints (`loaded.quantization` then goes into config.json).
     """
     from safetensors.torch import save_file
 
@@ -239,6 +251,8 @@ def save_hf_checkpoint(loaded: LoadedModel, folder: str) -> None:
     hf = loaded.config.to_hf_dict()
     tok = loaded.tokenizer
     hf.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if loaded.quantization is not None:
+        hf["quantization_config"] = loaded.quantization
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
     tok.save_pretrained(folder)

@@ -72,6 +72,8 @@ ERROR_TOKENS = 512  # the output error is measured on this many of the calibrati
 ALPHAS = tuple(i / 10 for i in range(10))  # 0 is plain rounding: the search never does worse on calibration data
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # 1.0 is no clipping
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# (block, name) of the four matrices of a decoder layer, in the order they run
+LAYER_LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
 # Which matrices get clipped. Clipping lowers each matrix's own output error on the calibration
 # text, but that error is only a proxy for what the model loses: on SmolLM2-135M, clipping o_proj
 # alone raised perplexity (+0.6% -> +2.3%), yet clipping all four matrices or only the MLP's came
@@ -173,6 +175,23 @@ def _capture_inputs(layer: nn.Module) -> tuple[dict, list]:
     return inputs, hooks
 
 
+def calibration_batch(model: nn.Module, token_ids: Sequence[int], window: int) -> tuple[torch.Tensor, tuple]:
+    """The calibration tokens cut into windows of `window` (the rest dropped), embedded: the first
+    decoder layer's input [windows, window, hidden], and the RoPE angles every layer shares."""
+    device = model.embed_tokens.weight.device
+    num_windows = len(token_ids) // window
+    ids = torch.tensor(list(token_ids[:num_windows * window]), device=device).view(num_windows, window)
+    x = model.embed_tokens(ids)
+    return x, model.rope(torch.arange(window, device=device).expand(num_windows, window), x.dtype)
+
+
+def run_layer(model: nn.Module, i: int, x: torch.Tensor, rope: tuple) -> torch.Tensor:
+    """Decoder layer i on x (causal attention within each window, no KV cache): the next layer's input."""
+    layer = model.layers[i]
+    h = x + layer.self_attn(layer.input_layernorm(x), rope, model.attention_fn, None, None, i)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
 @torch.no_grad()
 def apply_awq(model: nn.Module, token_ids: Sequence[int], group_size: int, alphas: Sequence[float] = ALPHAS,
               clip_ratios: Sequence[float] = CLIP_RATIOS, clip_linears: Sequence[str] = CLIP_LINEARS,
@@ -199,17 +218,12 @@ def apply_awq(model: nn.Module, token_ids: Sequence[int], group_size: int, alpha
     if not isinstance(window, int) or window < 2 or len(token_ids) < window:
         raise ValueError(f"need an integer window >= 2 and at least that many calibration tokens, got "
                          f"window={window!r} and {len(token_ids)} tokens")
-    device = model.embed_tokens.weight.device
-    num_windows = len(token_ids) // window
-    ids = torch.tensor(list(token_ids[:num_windows * window]), device=device).view(num_windows, window)
-    x = model.embed_tokens(ids)
-    rope = model.rope(torch.arange(window, device=device).expand(num_windows, window), x.dtype)
-    every = max(1, num_windows * window // error_tokens)
+    x, rope = calibration_batch(model, token_ids, window)
+    every = max(1, x.shape[0] * x.shape[1] // error_tokens)
     report = []
     for i, layer in enumerate(model.layers):
         inputs, hooks = _capture_inputs(layer)
-        h = x + layer.self_attn(layer.input_layernorm(x), rope, model.attention_fn, None, None, i)
-        x = h + layer.mlp(layer.post_attention_layernorm(h))  # the next layer's input, from the float model
+        x = run_layer(model, i, x, rope)  # the next layer's input, from the float model
         for hook in hooks:
             hook.remove()
         chosen = {"layer": i}

@@ -4,7 +4,8 @@
     quantize_model(model, "int4", group_size=64)     # or LLM("smollm2-135m", quantization="int4")
 
 ``"awq"`` is int4 too, after activation-aware scales are folded into the float model
-(``minfer.quant.awq``): same format, same kernels, less error.
+(``minfer.quant.awq``), and so is ``"gptq"``, whose codes make up for each other's rounding errors
+(``minfer.quant.gptq``): same format, same kernels, less error.
 
 What gets quantized
 -------------------
@@ -35,13 +36,19 @@ from torch import nn
 
 from minfer.kernels.quant_matmul import int4_matmul, int4_matmul_reference, int8_matmul, int8_matmul_reference
 from minfer.config import QUANTIZATION_METHODS, check_quantization_args
-from minfer.quant.awq import apply_awq
+from minfer.quant.awq import CLIP_LINEARS, LAYER_LINEARS, apply_awq
+from minfer.quant.gptq import apply_gptq
 from minfer.quant.torch_ops import dequantize_int4_cpu, int4_cpu_unsupported, int4_mm_cpu, int8_mm_cpu, pack_int4_for_cpu
 from minfer.formats.weights import (INT4_GROUP_SIZES, dequantize_int4, dequantize_int8, pack_int4,
                                   quantize_int4_groupwise, quantize_int8_per_channel)
 
 BACKENDS = ("auto", "reference", "torch", "triton")
-LAYER_LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+CALIBRATED_METHODS = ("awq", "gptq")  # the methods that read calibration_token_ids
+# How "gptq" runs, chosen by measurement (SmolLM2-135M, int4 g64, perplexity increase: plain GPTQ +16.8 %,
+# with activation order +9.0 %, after AWQ's scales +8.4 %, both +6.1 %, both and AWQ's clipping +8.1 %;
+# docs/benchmarks.md): after AWQ's activation-aware scales (without its clipping), in activation order.
+GPTQ_AFTER_AWQ_SCALES = True
+GPTQ_DESC_ACT = True
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -115,14 +122,21 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int, backend: str = "auto") -> "Int4Linear":
+        """Round-to-nearest int4 of the layer's weight."""
         q, scale, minimum = quantize_int4_groupwise(linear.weight.detach(), group_size)
-        resolved = resolve_backend(backend, linear.weight.device)
-        reason = int4_cpu_unsupported(linear.out_features) if resolved == "torch" else None
+        return cls.from_packed(pack_int4(q), scale, minimum, linear.bias, backend)
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                    bias: Optional[nn.Parameter], backend: str = "auto") -> "Int4Linear":
+        """A layer from codes already chosen (GPTQ, a saved checkpoint), on the backend that can run it."""
+        resolved = resolve_backend(backend, packed.device)
+        reason = int4_cpu_unsupported(packed.shape[0]) if resolved == "torch" else None
         if reason and backend == "torch":
             raise ValueError(f"backend 'torch' cannot run this layer: {reason}")
         if reason:  # "auto": the reference still works, only slower
             resolved = "reference"
-        return cls(pack_int4(q), scale, minimum, linear.bias, resolved, reason)
+        return cls(packed, scale, minimum, bias, resolved, reason)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight matrix this layer stands for."""
@@ -164,39 +178,53 @@ def resolve_group_size(config, group_size: Optional[int]) -> int:
 
 
 def quantize_model(model: nn.Module, method: str, group_size: Optional[int] = None, backend: str = "auto",
-                   head: Optional[str] = "int8", calibration_token_ids: Optional[list[int]] = None) -> nn.Module:
+                   head: Optional[str] = "int8", calibration_token_ids: Optional[list[int]] = None,
+                   gptq_after_awq: bool = GPTQ_AFTER_AWQ_SCALES, gptq_desc_act: bool = GPTQ_DESC_ACT) -> nn.Module:
     """Replace the model's linear layers with quantized ones, in place; returns the model.
 
-    method: "int8" (per output channel), "int4" (group-wise; group_size 32, 64 or 128, default
-    the largest that divides the model's sizes) or "awq" (int4 after folding activation-aware
-    scales into the float model, `minfer.quant.awq`; needs calibration_token_ids, e.g.
-    `minfer.quant.awq.calibration_token_ids(tokenizer)`). head: "int8" quantizes lm_head too, None keeps it.
+    method: "int8" (per output channel), "int4" (group-wise round-to-nearest; group_size 32, 64 or
+    128, default the largest that divides the model's sizes), "awq" (int4 after folding
+    activation-aware scales into the float model, `minfer.quant.awq`) or "gptq" (int4 codes chosen
+    by GPTQ, `minfer.quant.gptq`; with gptq_after_awq, on the matrices after AWQ's scales; with
+    gptq_desc_act, in activation order on static groups). "awq"
+    and "gptq" need calibration_token_ids, e.g. `minfer.quant.awq.calibration_token_ids(tokenizer)`.
+    head: "int8" quantizes lm_head too, None keeps it.
     """
     if method is None:
         raise ValueError(f"quantize_model needs a method: one of {QUANTIZATION_METHODS}")
-    check_quantization_args(method, group_size if method in ("int4", "awq") else None)
+    check_quantization_args(method, group_size if method != "int8" else None)
     if head not in ("int8", None):
         raise ValueError(f"head must be 'int8' or None, got {head!r}")
-    if (method == "awq") != (calibration_token_ids is not None):
-        raise ValueError("calibration_token_ids are needed by method 'awq' and by no other, got "
-                         f"{'none' if calibration_token_ids is None else 'some'} with method={method!r}")
-    if method in ("int4", "awq"):
+    if (method in CALIBRATED_METHODS) != (calibration_token_ids is not None):
+        raise ValueError(f"calibration_token_ids are needed by the methods {CALIBRATED_METHODS} and by no other, "
+                         f"got {'none' if calibration_token_ids is None else 'some'} with method={method!r}")
+    if method != "int8":
         group_size = resolve_group_size(model.config, group_size)
     elif group_size is not None:
         raise ValueError(f"a group size applies to int4 only; int8 has one scale per output channel (got {group_size!r})")
-    if method == "awq":
-        apply_awq(model, calibration_token_ids, group_size)
-        method = "int4"
+    codes = {}
+    if method == "awq" or (method == "gptq" and gptq_after_awq):
+        # before GPTQ without clipping: GPTQ's error feedback does what clipping does for round-to-nearest
+        apply_awq(model, calibration_token_ids, group_size, clip_linears=() if method == "gptq" else CLIP_LINEARS)
+    if method == "gptq":
+        codes = apply_gptq(model, calibration_token_ids, group_size, desc_act=gptq_desc_act)
     with torch.no_grad():
-        for layer in model.layers:
+        for i, layer in enumerate(model.layers):
             for block_name, linear_name in LAYER_LINEARS:
                 block = getattr(layer, block_name)
                 linear = getattr(block, linear_name)
-                quantized = (Int8Linear.from_linear(linear, backend) if method == "int8"
-                             else Int4Linear.from_linear(linear, group_size, backend))
+                if method == "int8":
+                    quantized = Int8Linear.from_linear(linear, backend)
+                elif method == "gptq":
+                    quantized = Int4Linear.from_packed(*codes[i, linear_name], linear.bias, backend)
+                else:
+                    quantized = Int4Linear.from_linear(linear, group_size, backend)
                 setattr(block, linear_name, quantized)
         if head == "int8":
             model.lm_head = Int8Linear.from_linear(model.lm_head, backend)
+    # how, for a saved checkpoint's config (minfer.quant.checkpoint)
+    model.quantization = {"method": method, "group_size": group_size, "head": head,
+                          "desc_act": method == "gptq" and gptq_desc_act}
     return model
 
 

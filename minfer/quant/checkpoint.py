@@ -1,0 +1,211 @@
+"""Saved quantized checkpoints: quantize once (GPTQ takes minutes), load in seconds, bit for bit.
+
+    python -m minfer quantize smollm2-135m --method gptq --out smollm2-gptq     # or quantize_checkpoint(...)
+    llm = LLM("smollm2-135m-gptq")                                              # no recomputation
+
+The layout (a Hugging Face folder: config.json, model.safetensors, tokenizer files)
+--------------------------------------------------------------------------------
+Tensors, under minfer's module names with transformers' ``model.`` prefix (the fused matrices
+stay fused: ``qkv_proj`` is q, k and v stacked by rows, ``gate_up_proj`` gate and up):
+
+- int4 matrix (methods "int4", "awq", "gptq"), e.g. ``model.layers.0.self_attn.qkv_proj``:
+  ``.qweight`` uint8 [out, in / 2] (input column 2i in the low nibble, 2i + 1 in the high),
+  ``.scale`` float16 [out, in / group_size], ``.minimum`` float16 [same]; the weight is
+  ``q * scale + minimum`` per group of group_size consecutive inputs (``minfer.formats.weights``).
+- int8 matrix (method "int8", and the output head ``lm_head`` of every method):
+  ``.qweight`` int8 [out, in], ``.scale`` float32 [out]; the weight is ``q * scale`` per row.
+- everything else (embedding, norms, biases such as ``model.layers.0.self_attn.qkv_proj.bias``)
+  in the dtype the model was quantized in.
+
+``config.json`` is the model's config plus::
+
+    "quantization_config": {"quant_method": "minfer", "format_version": 1, "method": "gptq",
+                            "bits": 4, "group_size": 64, "sym": false, "desc_act": false, "head": "int8"}
+
+(int8: ``"bits": 8, "group_size": null, "sym": true``; ``"head": null`` when lm_head stayed float).
+
+Why not GPTQ's layout (``qweight``/``qzeros``/``scales``/``g_idx``, read by transformers and vLLM)
+--------------------------------------------------------------------------------------------------
+GPTQ's format stores, per group, a float16 scale and an *integer* 4-bit zero point:
+``w = (q - z) * scale``. minfer's groups store a float16 *minimum*: ``w = q * scale + minimum``.
+The two grids are the same only when ``-minimum / scale`` is a whole number in 0..15, which a
+group's minimum almost never is; rounding it would move every weight of the group, so the
+codes GPTQ chose would no longer be the ones that minimise the error. minfer therefore writes
+its own layout (``quant_method: "minfer"``), which transformers and vLLM do not read.
+
+Exactness: the codes, scales and minimums are written and read back as they are, so the loaded
+model runs the very same int4 weights. They must be in minfer's packed layout when saved:
+layers repacked for PyTorch's CPU kernel (``backend="torch"``, an LLM on CPU) keep their scales in
+bfloat16 and cannot be saved exactly; `quantize_checkpoint` quantizes with ``backend="reference"``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from minfer.config import DTYPES, INT4_METHODS, QUANTIZATION_METHODS
+from minfer.models.llama import LlamaModel
+from minfer.models.loader import LoadedModel, load_model, save_hf_checkpoint
+from minfer.quant.awq import LAYER_LINEARS, calibration_token_ids
+from minfer.quant.linear import (CALIBRATED_METHODS, Int4Linear, Int8Linear, allowed_group_sizes, quantize_model,
+                                 resolve_backend)
+
+QUANT_METHOD = "minfer"  # the quant_method of our layout (GPTQ's is "gptq")
+FORMAT_VERSION = 1
+QUANTIZED_TENSORS = ("qweight", "scale", "minimum")  # the suffixes of tensors loaded exactly as stored
+CONFIG_KEYS = ("quant_method", "format_version", "method", "bits", "group_size", "sym", "desc_act", "head")
+
+
+def is_quantized_tensor(name: str) -> bool:
+    """Whether a checkpoint tensor is a quantized matrix's codes, scale or minimum (kept as stored)."""
+    return name.rsplit(".", 1)[-1] in QUANTIZED_TENSORS
+
+
+def quantization_config(method: str, group_size: Optional[int], head: Optional[str], desc_act: bool = False) -> dict:
+    """The `quantization_config` entry of config.json for a model quantized this way."""
+    int4 = method in INT4_METHODS
+    return {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION, "method": method,
+            "bits": 4 if int4 else 8, "group_size": group_size if int4 else None, "sym": not int4,
+            "desc_act": desc_act, "head": head}
+
+
+def check_quantization_config(entry, model_config, where: str) -> None:
+    """Raise a ValueError saying what is allowed if config.json's quantization_config is not ours or malformed."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: quantization_config must be an object, got {type(entry).__name__}")
+    if entry.get("quant_method") != QUANT_METHOD:
+        raise ValueError(f"{where}: quantization_config has quant_method {entry.get('quant_method')!r}; minfer loads "
+                         f"only its own quantized layout (quant_method {QUANT_METHOD!r}, written by "
+                         "`python -m minfer quantize`), not GPTQ/AWQ checkpoints of other tools")
+    if sorted(entry) != sorted(CONFIG_KEYS):
+        raise ValueError(f"{where}: quantization_config must have exactly the keys {list(CONFIG_KEYS)}, "
+                         f"got {sorted(entry)}")
+    if entry["format_version"] != FORMAT_VERSION:
+        raise ValueError(f"{where}: format_version must be {FORMAT_VERSION}, got {entry['format_version']!r}")
+    method = entry["method"]
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"{where}: method must be one of {QUANTIZATION_METHODS}, got {method!r}")
+    if method in INT4_METHODS and entry["group_size"] not in allowed_group_sizes(model_config):
+        raise ValueError(f"{where}: group_size must be one of {allowed_group_sizes(model_config)} for this model, "
+                         f"got {entry['group_size']!r}")
+    expected = quantization_config(method, entry["group_size"], entry["head"], entry["desc_act"])
+    if entry["head"] not in ("int8", None) or not isinstance(entry["desc_act"], bool) or entry != expected:
+        raise ValueError(f"{where}: a {method!r} quantization_config must read {expected} (head 'int8' or null, "
+                         f"desc_act true or false), got {entry}")
+
+
+def save_quantized(llm_or_model: Union[object, nn.Module], out_dir: str, tokenizer=None) -> str:
+    """Write a quantized LLM, or a quantized LlamaModel with its tokenizer, as a checkpoint; returns out_dir.
+
+    The model must come from `quantize_model` (which records how it was quantized), with its int4
+    layers in minfer's packed layout (any backend but "torch"; see the module docstring).
+    """
+    model = llm_or_model if isinstance(llm_or_model, nn.Module) else llm_or_model.model
+    tokenizer = tokenizer if isinstance(llm_or_model, nn.Module) else llm_or_model.tokenizer
+    if tokenizer is None:
+        raise ValueError("save_quantized needs the tokenizer with a bare model: save_quantized(model, out_dir, tokenizer)")
+    how = getattr(model, "quantization", None)  # recorded by quantize_model
+    if how is None:
+        raise ValueError("this model is not quantized: quantize it first (quantize_model, or LLM(..., quantization=...))")
+    repacked = [name for name, m in model.named_modules() if isinstance(m, Int4Linear) and m.backend == "torch"]
+    if repacked:
+        raise ValueError(f"{repacked[0]} (and {len(repacked) - 1} more) hold PyTorch's CPU-kernel layout, whose "
+                         "bfloat16 scales cannot be saved exactly: quantize with backend='reference' "
+                         "(quantize_checkpoint or `python -m minfer quantize` does)")
+    _check_out_dir(out_dir)
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue  # a float tied head is the embedding
+        tensors[name if name.startswith("lm_head.") else "model." + name] = tensor
+    save_hf_checkpoint(LoadedModel(model.config, tensors, tokenizer, out_dir, quantization_config(**how)), out_dir)
+    return out_dir
+
+
+def _check_out_dir(out_dir: str) -> None:
+    folder = Path(out_dir)
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())) and not _is_quantized_checkpoint(folder):
+        raise ValueError(f"{out_dir!r} exists and is not an empty folder or a minfer quantized checkpoint: "
+                         "choose a new folder")
+
+
+def _is_quantized_checkpoint(folder: Path) -> bool:
+    try:
+        return json.loads((folder / "config.json").read_text())["quantization_config"]["quant_method"] == QUANT_METHOD
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def build_quantized_model(loaded: LoadedModel, dtype: torch.dtype = torch.float32,
+                          device: Union[str, torch.device] = "cpu", backend: str = "auto") -> LlamaModel:
+    """The model of a quantized checkpoint (`load_model` of its folder), its quantized layers as stored."""
+    entry, weights = loaded.quantization, dict(loaded.weights)
+    model = LlamaModel.empty(loaded.config, dtype, device)
+    backend = resolve_backend(backend, torch.device(device))
+    matrices = [(layer, block_name, name, f"model.layers.{i}.{block_name}.{name}")
+                for i, layer in enumerate(model.layers) for block_name, name in LAYER_LINEARS]
+    if entry["head"] == "int8":
+        matrices.append((model, None, "lm_head", "lm_head"))
+    int4 = entry["method"] in INT4_METHODS
+    for parent, block_name, name, prefix in matrices:
+        owner = getattr(parent, block_name) if block_name else parent
+        bias = getattr(owner, name).bias
+        try:  # copied: safetensors' tensors can start at addresses PyTorch's int8/int4 CPU kernels cannot read
+            stored = [weights.pop(f"{prefix}.{part}").to(device, copy=True)
+                      for part in (("qweight", "scale", "minimum") if int4 and block_name else ("qweight", "scale"))]
+        except KeyError as exc:
+            raise ValueError(f"{loaded.path}: the checkpoint is missing {exc.args[0]}") from exc
+        quantized = (Int4Linear.from_packed(*stored, bias, backend) if int4 and block_name
+                     else Int8Linear(*stored, bias, backend))
+        setattr(owner, name, quantized)
+    leftover = [name for name in weights if is_quantized_tensor(name)]
+    if leftover:
+        raise ValueError(f"{loaded.path}: unexpected quantized tensors {leftover[:3]} for its quantization_config")
+    model.load_weights(weights)  # embedding, norms, biases
+    model.quantization = {key: entry[key] for key in ("method", "group_size", "head", "desc_act")}
+    return model
+
+
+def quantize_checkpoint(model: str, method: str, out_dir: str, group_size: Optional[int] = None,
+                        dtype: torch.dtype = torch.float32) -> str:
+    """Load `model`, quantize it (calibration text as LLM(..., quantization=method) uses) and save it to out_dir."""
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"unknown method {method!r}: use one of {QUANTIZATION_METHODS}")
+    _check_out_dir(out_dir)
+    loaded = load_model(model, dtype)
+    if loaded.quantization is not None:
+        raise ValueError(f"{model!r} is already a quantized checkpoint: quantize the float model")
+    net = LlamaModel.from_weights(loaded.config, loaded.weights, dtype, "cpu")
+    calibration = calibration_token_ids(loaded.tokenizer) if method in CALIBRATED_METHODS else None
+    quantize_model(net, method, group_size, backend="reference", calibration_token_ids=calibration)
+    return save_quantized(net, out_dir, loaded.tokenizer)
+
+
+def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of `python -m minfer quantize`."""
+    parser.add_argument("model", help="model name, .gguf file or Hugging Face directory (the float model)")
+    parser.add_argument("--method", required=True, choices=QUANTIZATION_METHODS,
+                        help="int8 per channel, int4 round-to-nearest, awq or gptq (int4 with calibration)")
+    parser.add_argument("--out", required=True, help="the folder to write (new, or a minfer checkpoint to replace)")
+    parser.add_argument("--group-size", type=int, default=None,
+                        help="int4 group size (32, 64 or 128; default the largest that divides the model's sizes)")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                        help="the dtype to quantize in, and of the float tensors saved (default float32)")
+
+
+def run_quantize(args: argparse.Namespace) -> int:
+    """`python -m minfer quantize`: write the checkpoint, say where and how big; 2 on bad arguments."""
+    try:
+        out = quantize_checkpoint(args.model, args.method, args.out, args.group_size, DTYPES[args.dtype])
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    size = sum(f.stat().st_size for f in Path(out).glob("*.safetensors"))
+    print(f"wrote {out} ({args.method}, {size / 1e6:.1f} MB of tensors): load it with LLM({out!r})")
+    return 0

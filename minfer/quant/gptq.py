@@ -1,0 +1,180 @@
+"""GPTQ (Frantar et al., 2022): round one column at a time, and let the columns not yet rounded make up for it.
+
+    quantize_model(model, "gptq", group_size=64, calibration_token_ids=calibration_token_ids(tokenizer))
+    LLM("smollm2-135m", quantization="gptq")     # the same, at load time
+
+Same int4 format as "int4" and "awq" (``minfer.formats.weights``: groups of 32 or 64 inputs, a
+float16 scale and minimum each, two codes per byte), so every int4 matmul path serves it. Only
+the choice of codes (and of each group's grid) differs from round-to-nearest.
+
+The error that matters
+----------------------
+A linear layer turns inputs ``X [tokens, in]`` into ``X W.T``. Rounding ``W`` to ``Ŵ`` costs, per
+output row ``w``, ``||X (w - ŵ)||² = (w - ŵ)ᵀ H (w - ŵ) / 2`` with the input Hessian
+``H = 2 XᵀX``, collected on a calibration text. Round-to-nearest minimises each weight's own
+error and ignores ``H``; but inputs are correlated (off-diagonal ``H``), so an error in one
+column can be partly cancelled by changing the others.
+
+One column at a time (Optimal Brain Surgeon's update)
+-----------------------------------------------------
+Quantize column ``i``: its error is ``e = w_i - ŵ_i`` (one number per row). With ``F`` the
+columns not yet quantized, the change of ``w_F`` that minimises the output error given that
+column ``i`` is now fixed is
+
+    w_F -= e / [H_F⁻¹]_ii * [H_F⁻¹]_{i,F}
+
+then column ``i`` leaves ``F``: ``H_F⁻¹`` loses row and column ``i`` (one step of Gaussian
+elimination). GPTQ's three observations make this fast enough for an LLM:
+- *The same order for every row.* All rows quantize column 0, then 1, ...: one ``H⁻¹`` sequence
+  for the whole matrix instead of one per row.
+- *Cholesky.* The rows ``[H_F⁻¹]_{i,F} / sqrt([H_F⁻¹]_ii)`` for F = {i, i+1, ...} are exactly the
+  rows of the upper Cholesky factor ``U`` of ``H⁻¹`` (``UᵀU = H⁻¹``), so the update reads
+  ``w_F -= (e / U_ii) * U_{i,F}``: compute ``U`` once, never eliminate anything.
+- *Lazy batches.* Columns are done in blocks of 128: the update runs in full inside the block,
+  while the columns after the block get the block's errors all at once, one matrix product.
+  Same result, far fewer passes over the big matrix.
+``H`` is dampened by 1 % of its mean diagonal before inverting: a nearly singular ``H`` (inputs
+that move together) would otherwise give huge, noisy updates. An input that is zero on every
+calibration token (``H_ii = 0``) cannot affect the output: its weights are set to zero and
+``H_ii`` to 1, so it neither receives nor spreads error.
+
+Groups, and their grids
+-----------------------
+A group's scale and minimum are fixed when its first column is reached, from the weights as the
+updates so far have left them (GPTQ's rule): the grid fits what will actually be rounded. The
+updates can still carry a later column of the group past that range; it is clamped to the grid.
+
+Activation order (``desc_act``)
+-------------------------------
+Quantizing the columns with the largest ``H_ii`` first (the inputs that are large most often)
+lets them pass their error to many columns, and leaves the least important ones for last, when
+few columns remain to absorb errors. With groups, the columns of one group are then no longer
+quantized together, and GPTQ's checkpoints record each column's group in a ``g_idx``
+permutation. minfer's int4 format has contiguous groups and no ``g_idx``, so we use "static
+groups": every group's grid is computed from the weights before any update, and the columns are
+then quantized in activation order, each on its own group's grid. Lossless in minfer's format,
+at the price of grids that never see the updates.
+
+Layers in sequence
+------------------
+Each matrix's ``H`` comes from the inputs the *quantized* model produces: the calibration text
+runs through the decoder layers one at a time, and within a layer qkv_proj, o_proj, gate_up_proj
+and down_proj are quantized in the order they run, each one's inputs computed with the matrices
+before it already quantized. So each matrix also makes up for the errors of those before it.
+The inputs come from the layer capture AWQ uses (``minfer.quant.awq``).
+
+With AWQ's scales first (``awq_scales=True``), GPTQ runs on the matrices after AWQ has folded its
+activation-aware scales into them (``minfer.quant.awq``, its clipping left out: GPTQ's own error
+feedback replaces it). Whether that helps is measured in ``docs/benchmarks.md``.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from minfer.formats.weights import (check_group_size, dequantize_int4, pack_int4, quantize_int4_groupwise,
+                                   round_to_int4_grid)
+from minfer.quant.awq import CALIBRATION_WINDOW, LAYER_LINEARS, _capture_inputs, calibration_batch, run_layer
+
+BLOCK_SIZE = 128  # columns per lazy batch
+DAMPING = 0.01  # fraction of the mean diagonal of H added to its diagonal
+
+
+def input_hessian(x: torch.Tensor) -> torch.Tensor:
+    """H = 2 XᵀX / tokens for inputs x [tokens, in] (float32 [in, in]): the output error's curvature."""
+    x = x.float()
+    return 2 * (x.T @ x) / x.shape[0]
+
+
+def inverse_hessian_cholesky(hessian: torch.Tensor, damping: float = DAMPING) -> torch.Tensor:
+    """The upper Cholesky factor U of (H + damping * mean(diag H) * I)⁻¹, so that UᵀU = H⁻¹."""
+    eye = torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device)
+    dampened = hessian + damping * hessian.diagonal().mean() * eye
+    inverse = torch.cholesky_inverse(torch.linalg.cholesky(dampened))
+    return torch.linalg.cholesky(inverse, upper=True)
+
+
+def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, block_size: int = BLOCK_SIZE,
+                  damping: float = DAMPING, desc_act: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (q uint8 [out, in] in 0..15, scale float16 [out, in // group_size], min float16 [same]),
+    minfer's int4 format (`quantize_int4_groupwise`'s), with the codes GPTQ chooses for the Hessian H [in, in].
+
+    Computes in float32 (float64 if w is float64). block_size: columns per lazy batch, a multiple
+    of group_size. desc_act: columns in decreasing H_ii order, on static group grids (module docstring).
+    """
+    out_features, in_features = w.shape
+    check_group_size(in_features, group_size)
+    if hessian.shape != (in_features, in_features):
+        raise ValueError(f"the Hessian must be [{in_features}, {in_features}] for w {tuple(w.shape)}, "
+                         f"got {tuple(hessian.shape)}")
+    if block_size <= 0 or block_size % group_size:
+        raise ValueError(f"block_size must be a positive multiple of group_size {group_size}, got {block_size!r}")
+    compute = torch.float64 if w.dtype == torch.float64 else torch.float32
+    w, hessian = w.to(compute).clone(), hessian.to(compute).clone()
+    dead = hessian.diagonal() == 0
+    hessian[dead, dead] = 1
+    w[:, dead] = 0
+    num_groups = in_features // group_size
+    scale = torch.zeros(out_features, num_groups, dtype=torch.float16, device=w.device)
+    minimum = torch.zeros_like(scale)
+    if desc_act:  # static groups: every grid from the weights before any update
+        _, scale, minimum = quantize_int4_groupwise(w, group_size)
+        order = torch.argsort(hessian.diagonal(), descending=True)
+    else:
+        order = torch.arange(in_features, device=w.device)
+    w, hessian = w[:, order], hessian[order][:, order]
+    u = inverse_hessian_cholesky(hessian, damping)
+    q = torch.zeros(out_features, in_features, dtype=torch.uint8, device=w.device)
+    for start in range(0, in_features, block_size):
+        end = min(start + block_size, in_features)
+        block = w[:, start:end]  # a view: the in-block updates land in w
+        errors = torch.zeros_like(block)
+        for i in range(end - start):
+            column = start + i
+            group = int(order[column]) // group_size
+            if not desc_act and column % group_size == 0:  # a new group: its grid, from the updated weights
+                _, group_scale, group_min = quantize_int4_groupwise(block[:, i:i + group_size], group_size)
+                scale[:, group], minimum[:, group] = group_scale[:, 0], group_min[:, 0]
+            codes = round_to_int4_grid(block[:, i], scale[:, group], minimum[:, group])
+            rounded = codes.to(compute) * scale[:, group].to(compute) + minimum[:, group].to(compute)
+            q[:, column] = codes
+            errors[:, i] = (block[:, i] - rounded) / u[column, column]
+            block[:, i:] -= errors[:, i:i + 1] * u[column, start + i:end][None]
+        w[:, end:] -= errors @ u[start:end, end:]  # the block's errors, all at once, onto the later columns
+    q_natural = torch.empty_like(q)
+    q_natural[:, order] = q
+    return q_natural, scale, minimum
+
+
+@torch.no_grad()
+def apply_gptq(model: nn.Module, token_ids: Sequence[int], group_size: int, desc_act: bool = False,
+               block_size: int = BLOCK_SIZE, damping: float = DAMPING, window: Optional[int] = None
+               ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Choose GPTQ's int4 codes for the four matrices of every decoder layer, in sequence (module docstring).
+
+    Each float weight is overwritten with what its codes stand for, so that the layers after it see
+    the quantized model's activations. Returns {(layer index, matrix name): (packed codes, scale,
+    minimum)}, minfer's int4 format; `quantize_model(model, "gptq", ...)` turns them into Int4Linear layers.
+    """
+    window = window or min(CALIBRATION_WINDOW, model.config.max_position_embeddings)
+    if not isinstance(window, int) or window < 2 or len(token_ids) < window:
+        raise ValueError(f"need an integer window >= 2 and at least that many calibration tokens, got "
+                         f"window={window!r} and {len(token_ids)} tokens")
+    x, rope = calibration_batch(model, token_ids, window)
+    codes = {}
+    for i, layer in enumerate(model.layers):
+        for block_name, name in LAYER_LINEARS:
+            inputs, hooks = _capture_inputs(layer)
+            run_layer(model, i, x, rope)  # the matrices before this one are already quantized
+            for hook in hooks:
+                hook.remove()
+            linear = getattr(getattr(layer, block_name), name)
+            q, scale, minimum = gptq_quantize(linear.weight, input_hessian(inputs[name]), group_size,
+                                              block_size, damping, desc_act)
+            codes[i, name] = (pack_int4(q), scale, minimum)
+            linear.weight.copy_(dequantize_int4(codes[i, name][0], scale, minimum))
+        x = run_layer(model, i, x, rope)
+    return codes
