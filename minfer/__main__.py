@@ -2,6 +2,7 @@
 
     python -m minfer demo [--prompt TEXT] [--max-tokens N]   chat one prompt, stream the answer, print TTFT/TPOT
     python -m minfer serve [MODEL] [--port 8000] [engine args]   an OpenAI-compatible server (minfer/serving)
+    python -m minfer quantize MODEL --method gptq|awq|int8|int4 --out DIR   a quantized checkpoint, loaded by LLM(DIR)
     python -m minfer bench [--quick] [--json PATH] [--update-docs PATH] ...   minfer vs transformers vs the matmul floor
     python -m minfer bench serve [--base-url URL] [--request-rate R] ...   load-test an OpenAI-compatible server
     python -m minfer bench soak [--requests N] [--compare]   mixed requests for a long time: does memory stay flat?
@@ -58,6 +59,12 @@ def serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
+def quantize(args: argparse.Namespace) -> int:
+    from minfer.quant.checkpoint import run_quantize
+
+    return run_quantize(args)
+
+
 def bench_soak(args: argparse.Namespace) -> int:
     from minfer.bench.soak import run_soak
 
@@ -74,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     from minfer.bench.generate import add_bench_arguments
     from minfer.bench.serve import add_serve_bench_arguments
     from minfer.bench.soak import add_soak_arguments
+    from minfer.quant.checkpoint import add_quantize_arguments
     from minfer.serving.api_server import add_serve_arguments
 
     parser = argparse.ArgumentParser(prog="minfer", description="minfer: a compact LLM inference engine")
@@ -90,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve a model over OpenAI's HTTP API (completions, chat, streaming, /metrics)")
     add_serve_arguments(s)
     s.set_defaults(func=serve)
+    q = sub.add_parser("quantize", help="quantize a model once and save it (safetensors + config.json): LLM(DIR) loads it")
+    add_quantize_arguments(q)
+    q.set_defaults(func=quantize)
     b = sub.add_parser("bench", help="minfer vs transformers generate vs the matmul floor (decode tokens/s, TTFT, TPOT); "
                                      "'bench serve': load-test a server")
     add_bench_arguments(b)
