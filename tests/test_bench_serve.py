@@ -360,6 +360,13 @@ def test_a_run_stops_at_max_duration():
     assert all("max-duration" in r.error for r in results)
 
 
+def test_max_duration_counts_from_the_last_request_sent(fake_url):
+    rate = 10.0  # the last of 6 requests is sent about 0.5 s after the first, later than max_duration_s
+    results, duration = run(fake_url, FAKE_MODEL, specs(6, max_tokens=2), rate, seed=1, max_duration_s=0.3)
+    assert bs.arrival_times(6, rate, seed=1)[-1] > 0.3
+    assert all(r.success for r in results), [r.error for r in results]
+
+
 def test_run_load_refuses_a_remote_server():
     with pytest.raises(ValueError, match="127.0.0.1"):
         run("http://example.com", FAKE_MODEL, specs(1), math.inf)

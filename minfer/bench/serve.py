@@ -248,7 +248,8 @@ async def run_load(base_url: str, model: str, specs: Sequence[RequestSpec], requ
                    ) -> tuple[list[RequestResult], float]:
     """Send `specs` on the arrival schedule and wait for them all: (results in the specs' order, duration in s).
 
-    Bounded: after `max_duration_s` the requests still running are cancelled and count as failed.
+    Bounded: `max_duration_s` after the last request is sent (the schedule itself is bounded: so many
+    requests at such a rate), the requests still running are cancelled and count as failed.
     `max_concurrency` caps the requests in flight (a request waits for a free place before it is sent)."""
     from tqdm.auto import tqdm
 
@@ -274,7 +275,7 @@ async def run_load(base_url: str, model: str, specs: Sequence[RequestSpec], requ
 
         tasks = [asyncio.create_task(one(spec, offset)) for spec, offset in zip(specs, offsets)]
         if tasks:
-            await asyncio.wait(tasks, timeout=max_duration_s)
+            await asyncio.wait(tasks, timeout=offsets[-1] + max_duration_s)
         duration = time.perf_counter() - start
         results = []
         for spec, task in zip(specs, tasks):
@@ -283,7 +284,8 @@ async def run_load(base_url: str, model: str, specs: Sequence[RequestSpec], requ
             else:
                 task.cancel()
                 results.append(RequestResult(prompt_len=spec.prompt_len,
-                                             error=f"cancelled: the run passed --max-duration {max_duration_s:g} s"))
+                                             error=f"cancelled: still running {max_duration_s:g} s after the last "
+                                                   "request was sent (--max-duration)"))
         await asyncio.gather(*tasks, return_exceptions=True)  # let the cancelled ones close their connections
     bar.close()
     if count_tokens is not None:  # a server that sent no usage: count the streamed text with the tokenizer
@@ -685,7 +687,8 @@ def add_serve_bench_arguments(parser: argparse.ArgumentParser, docs_page: Union[
                         f"sustainable rate uses the ttft one (default {DEFAULT_TTFT_SLO_MS:g} ms)")
     a.add_argument("--request-timeout", type=_positive(float), default=300.0, help="seconds one request may take")
     a.add_argument("--max-duration", type=_positive(float), default=600.0,
-                   help="seconds one run may take; what is still running then is cancelled and counts as failed")
+                   help="seconds a run may go on after its last request is sent; what still runs then is "
+                        "cancelled and counts as failed")
     o = parser.add_argument_group("output")
     o.add_argument("--json", dest="json_path", default=None, help="write the results here as JSON")
     o.add_argument("--plot", default=None, help="write the latency-throughput curve here (PNG)")
