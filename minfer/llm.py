@@ -38,7 +38,7 @@ class LLM:
     directory. attention: 'sdpa', 'reference' or your own function (see `minfer.layers.attention`).
     Every other keyword is an engine argument with vLLM's name, checked by `minfer.config.EngineConfig`
     before anything loads: dtype, device, seed, max_model_len, quantization (None, 'int8', 'int4',
-    'awq') and quantization_group_size, kv_cache_dtype ('auto', 'int8'), block_size, the KV pool's
+    'awq', 'gptq') and quantization_group_size, kv_cache_dtype ('auto', 'int8'), block_size, the KV pool's
     size (num_gpu_blocks_override, kv_cache_memory_bytes, gpu_memory_utilization), max_num_seqs,
     max_num_batched_tokens, enable_chunked_prefill, enable_prefix_caching, speculative_model with
     num_speculative_tokens, enforce_eager. An unknown keyword raises TypeError.
@@ -46,7 +46,9 @@ class LLM:
     Quantization (see `minfer.quant.linear`): 'int8' per output channel, 'int4' in groups along the
     input (default group: the largest of 32/64/128 dividing the model's sizes, 64 for SmolLM2-135M),
     'awq' the same int4 after activation-aware scales computed at load time on a fixed calibration
-    text (`minfer.quant.awq`). The output head becomes int8; the embedding stays exact.
+    text (`minfer.quant.awq`), 'gptq' the same int4 with GPTQ's codes (`minfer.quant.gptq`). A folder
+    written by `minfer.quant.checkpoint` loads quantized as stored, nothing recomputed. The output
+    head becomes int8; the embedding stays exact.
     kv_cache_dtype='int8' keeps a float32 scale per token and KV head: about 2x the tokens of
     bfloat16 in the same memory (served by the paged engine, not by batching="static").
 
@@ -62,9 +64,11 @@ class LLM:
         self.config, self.tokenizer, self.model_path = loaded.config, loaded.tokenizer, loaded.path
         self.device, self.dtype = config.device, config.dtype
         if loaded.quantization is not None:  # a saved quantized checkpoint (minfer.quant.checkpoint): as stored
-            if config.quantization not in (None, loaded.quantization["method"]):
-                raise ValueError(f"{loaded.path} is a {loaded.quantization['method']!r} checkpoint: pass "
-                                 f"quantization=None or {loaded.quantization['method']!r}, not {config.quantization!r}")
+            method, group_size = loaded.quantization["method"], loaded.quantization["group_size"]
+            if config.quantization not in (None, method) or config.quantization_group_size not in (None, group_size):
+                raise ValueError(f"{loaded.path} is a {method!r} checkpoint (group size {group_size}): pass "
+                                 f"quantization=None or {method!r} and no other group size, not "
+                                 f"{config.quantization!r} with {config.quantization_group_size!r}")
             self.model = build_quantized_model(loaded, config.dtype, config.device)
         else:
             self.model = LlamaModel.from_weights(loaded.config, loaded.weights, config.dtype, config.device)

@@ -129,3 +129,26 @@ def test_measure_speed_is_batch_over_the_fastest_tpot(monkeypatch):
     speed = qb.measure_speed(llm, dict(batch_size=4, prompt_len=8, max_tokens=6, repeats=3))
     assert calls == [(4, 6, 1)] * 3 + [(4, 6, 4)] * 3
     assert speed == pytest.approx({"batch1_tokens_per_s": 1 / 0.04, "batched_tokens_per_s": 4 / 0.08})
+
+
+def test_merge_puts_new_rows_in_place_and_checks_the_scrambled_target():
+    """A run of a few configurations replaces those rows of a saved full run; the rest stay."""
+    def row(name, ppl_change):
+        return {"config": name, "perplexity": 10 * (1 + ppl_change), "ppl_change": ppl_change,
+                "greedy_agreement": 0.9, "linear_bytes": 100, "linear_bytes_ratio_vs_bf16": 3.56,
+                "kv_bytes_per_token": 1}
+    same = {"model": "m", "dtype": "bfloat16", "device": "cpu", "preset": qb.PRESETS["quick"],
+            "eval_set": {"python": "3.11"}, "machine": {"cpu": "x", "torch_threads": 1}, "llama_cpp": [], "skipped": {}}
+    saved = {**same, "rows": [row("none", 0.0), row("int4 g64", 0.3), row("gptq g64", 0.2)],
+             "honest_rows": [row("none", 0.0)], "command": "full"}
+    new = {**same, "rows": [row("none", 0.0), row("gptq g64", 0.04)],
+           "honest_rows": [row("none", 0.0), row("gptq g64", 0.09)], "command": "some rows"}
+    merged = qb.merge_results(saved, new)
+    assert [r["config"] for r in merged["rows"]] == ["none", "int4 g64", "gptq g64"]
+    assert merged["rows"][2]["ppl_change"] == 0.04 and merged["merged_commands"] == ["some rows"]
+    checks = {c["target"]: c["passed"] for c in merged["targets"]}
+    assert checks["gptq g64: perplexity increase ≤ 5.0%"] is True
+    assert checks["gptq g64: perplexity increase ≤ 8.0% on the scrambled model"] is False
+    assert "Rows added by: `some rows`" in qb.format_markdown(merged, "full")
+    with pytest.raises(ValueError, match="preset"):
+        qb.merge_results(saved, {**new, "preset": qb.PRESETS["full"]})

@@ -98,8 +98,10 @@ def test_malformed_quantization_config_is_refused(int4_checkpoint, tmp_path, cha
 
 
 def test_a_checkpoint_refuses_another_quantization(int4_checkpoint):
-    with pytest.raises(ValueError, match="is a 'int4' checkpoint"):
+    with pytest.raises(ValueError, match=r"is a 'int4' checkpoint \(group size 32\)"):
         LLM(int4_checkpoint, quantization="int8")
+    with pytest.raises(ValueError, match="no other group size"):
+        LLM(int4_checkpoint, quantization="int4", quantization_group_size=64)
 
 
 def test_the_quantize_command(tiny_dir, tmp_path, capsys):

@@ -3,6 +3,8 @@
     linear.py      Int8Linear / Int4Linear, quantize_model, and byte counts
     torch_ops.py   PyTorch's own CPU kernels for the formats, and the layout they need
     awq.py         activation-aware scales for int4 (AWQ's idea), folded into the float model
+    gptq.py        GPTQ: int4 codes that make up for each other's rounding errors, layer by layer
+    checkpoint.py  saved quantized checkpoints: write once, `LLM(folder)` loads them as stored
     gguf_q4_1.py   GGUF's Q4_1 blocks read from a file: the same group-wise int4 idea
 
 The formats themselves (int8 per channel, int4 in groups, int8 KV entries) live in
