@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -27,11 +28,7 @@ INTRO = ("Weight-only int8 (per output channel) and int4 (groups of 32/64/128, s
          "int4 after activation-aware scales and clipping computed at load time; 'gptq': the same int4 with GPTQ's "
          "codes, after AWQ's scales and in activation order, `minfer/quant/gptq.py`), and the int8 KV cache, against "
          "the unquantized model on the fixed evaluation set of `minfer/evaluate.py`, with bytes and decode speed, "
-         "all in one process. How each number is made: `minfer/bench/quant.py`.\n\n"
-         "How \"gptq\" was chosen (int4 g64 on the real model, bfloat16, the same perplexity measure, variants set "
-         "through `quantize_model`'s gptq_after_awq / gptq_desc_act): plain GPTQ +16.8 %, in activation order "
-         "+9.0 %, after AWQ's scales +8.4 %, both +6.1 % (the default), both with AWQ's clipping too +8.1 %; AWQ "
-         "alone +10.1 %. Four times the calibration text (8192 tokens instead of 2048): +6.3 %, no gain.")
+         "all in one process. How each number is made: `minfer/bench/quant.py`.")
 
 
 def main(argv=None) -> int:
@@ -55,7 +52,7 @@ def main(argv=None) -> int:
     parser.add_argument("--merge", metavar="JSON", help="measure only --configs, put their rows into this saved "
                         "JSON's (same preset), and write the result there and to the docs")
     args = parser.parse_args(argv)
-    command = "python benchmarks/bench_quant.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python benchmarks/bench_quant.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     if args.render:
         result = json.loads(Path(args.render).read_text())
     else:

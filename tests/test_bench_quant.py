@@ -146,6 +146,7 @@ def test_merge_puts_new_rows_in_place_and_checks_the_scrambled_target():
     merged = qb.merge_results(saved, new)
     assert [r["config"] for r in merged["rows"]] == ["none", "int4 g64", "gptq g64"]
     assert merged["rows"][2]["ppl_change"] == 0.04 and merged["merged_commands"] == ["some rows"]
+    assert merged["rows"][0] is saved["rows"][0]  # the saved rows' baseline stays
     checks = {c["target"]: c["passed"] for c in merged["targets"]}
     assert checks["gptq g64: perplexity increase ≤ 5.0%"] is True
     assert checks["gptq g64: perplexity increase ≤ 8.0% on the scrambled model"] is False

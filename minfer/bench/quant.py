@@ -251,8 +251,9 @@ def _llama_cpp_rows(model: str, vocab_size: int, preset: dict, threads: Sequence
 def merge_results(saved: dict, new: dict) -> dict:
     """`saved` with the rows of `new` (a run of only some configurations) in place of its own, in CONFIGS order.
 
-    Both must be measured the same way (same model, dtype, device and preset); "none" is measured
-    again by every run, so each run's changes are against its own baseline.
+    Both must be measured the same way (same model, dtype, device and preset). Every run measures
+    "none" again, and each new row's change is against its own run's "none"; the saved "none" rows
+    stay, since the saved rows (and their speeds) were measured against them.
     """
     same = ("model", "dtype", "device", "preset", "eval_set")
     differ = [key for key in same if saved.get(key) != new.get(key)]
@@ -262,7 +263,7 @@ def merge_results(saved: dict, new: dict) -> dict:
     merged["merged_commands"] = saved.get("merged_commands", []) + [new.get("command")]
     for key in ("rows", "honest_rows"):
         rows = {r["config"]: r for r in saved[key]}
-        rows.update({r["config"]: r for r in new[key]})
+        rows.update({r["config"]: r for r in new[key] if r["config"] != "none" or "none" not in rows})
         merged[key] = [rows[name] for name in CONFIGS if name in rows]
     merged["targets"] = check_targets(merged)
     return merged
