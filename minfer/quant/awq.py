@@ -175,9 +175,15 @@ def _capture_inputs(layer: nn.Module) -> tuple[dict, list]:
     return inputs, hooks
 
 
-def calibration_batch(model: nn.Module, token_ids: Sequence[int], window: int) -> tuple[torch.Tensor, tuple]:
-    """The calibration tokens cut into windows of `window` (the rest dropped), embedded: the first
-    decoder layer's input [windows, window, hidden], and the RoPE angles every layer shares."""
+def calibration_batch(model: nn.Module, token_ids: Sequence[int],
+                      window: Optional[int] = None) -> tuple[torch.Tensor, tuple]:
+    """The calibration tokens cut into windows of `window` (default CALIBRATION_WINDOW, or the model's
+    context if shorter; the rest dropped), embedded: the first decoder layer's input
+    [windows, window, hidden], and the RoPE angles every layer shares."""
+    window = window or min(CALIBRATION_WINDOW, model.config.max_position_embeddings)
+    if not isinstance(window, int) or window < 2 or len(token_ids) < window:
+        raise ValueError(f"need an integer window >= 2 and at least that many calibration tokens, got "
+                         f"window={window!r} and {len(token_ids)} tokens")
     device = model.embed_tokens.weight.device
     num_windows = len(token_ids) // window
     ids = torch.tensor(list(token_ids[:num_windows * window]), device=device).view(num_windows, window)
@@ -208,16 +214,12 @@ def apply_awq(model: nn.Module, token_ids: Sequence[int], group_size: int, alpha
     alpha per matrix and the mean clip ratio.
     """
     config = model.config
-    window = window or min(CALIBRATION_WINDOW, config.max_position_embeddings)
     for name, values in (("alphas", alphas), ("clip_ratios", clip_ratios)):
         low = 0 if name == "alphas" else 1e-3
         if len(values) == 0 or any(not low <= v <= 1 for v in values):
             raise ValueError(f"{name} must be a non-empty sequence of numbers in [{low}, 1], got {values!r}")
     if not set(clip_linears) <= set(LINEARS):
         raise ValueError(f"clip_linears must name matrices from {LINEARS}, got {clip_linears!r}")
-    if not isinstance(window, int) or window < 2 or len(token_ids) < window:
-        raise ValueError(f"need an integer window >= 2 and at least that many calibration tokens, got "
-                         f"window={window!r} and {len(token_ids)} tokens")
     x, rope = calibration_batch(model, token_ids, window)
     every = max(1, x.shape[0] * x.shape[1] // error_tokens)
     report = []

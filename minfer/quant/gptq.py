@@ -80,7 +80,7 @@ from torch import nn
 
 from minfer.formats.weights import (check_group_size, dequantize_int4, pack_int4, quantize_int4_groupwise,
                                    round_to_int4_grid)
-from minfer.quant.awq import CALIBRATION_WINDOW, LAYER_LINEARS, _capture_inputs, calibration_batch, run_layer
+from minfer.quant.awq import LAYER_LINEARS, _capture_inputs, calibration_batch, run_layer
 
 BLOCK_SIZE = 128  # columns per lazy batch
 DAMPING = 0.01  # fraction of the mean diagonal of H added to its diagonal
@@ -163,10 +163,6 @@ def apply_gptq(model: nn.Module, token_ids: Sequence[int], group_size: int, desc
     the quantized model's activations. Returns {(layer index, matrix name): (packed codes, scale,
     minimum)}, minfer's int4 format; `quantize_model(model, "gptq", ...)` turns them into Int4Linear layers.
     """
-    window = window or min(CALIBRATION_WINDOW, model.config.max_position_embeddings)
-    if not isinstance(window, int) or window < 2 or len(token_ids) < window:
-        raise ValueError(f"need an integer window >= 2 and at least that many calibration tokens, got "
-                         f"window={window!r} and {len(token_ids)} tokens")
     x, rope = calibration_batch(model, token_ids, window)
     codes = {}
     for i, layer in enumerate(model.layers):
