@@ -36,7 +36,10 @@ def render(main: dict, compare: dict, server: dict | None, commands: list[str]) 
     s = main["samples"]
     by_request = {row["requests"]: row["rss_mib"] for row in s}
     at = lambda r: by_request.get(r, float("nan"))  # noqa: E731
-    lines = [f"Commands: {'; '.join(f'`{c}`' for c in commands)}. Machine: {machine_info()}.", "",
+    m = main.get("machine") or machine_info()
+    lines = [f"Commands: {'; '.join(f'`{c}`' for c in commands)} (one torch thread each). Machine: {m['cpu']}, "
+             f"{m['cores']} cores, torch {m['torch']}; other work ran on the same cores during these runs (load average "
+             "4–5), so compare the memory figures, and read the speeds as rough.", "",
              f"**The long soak** ({main['num_requests']} mixed requests through the engine, bfloat16, "
              f"{main['counts']['aborted']} aborted mid-way, {main['counts']['refused']} invalid ones refused, "
              f"{main['counts']['sampled_n']} with n > 1, {main['counts']['stop']} with stop strings): "
@@ -72,6 +75,8 @@ def main(argv=None) -> int:
     parser.add_argument("--compare", type=Path, default=ROOT / "docs" / "bench_soak_variants.json")
     parser.add_argument("--server-json", type=Path, default=ROOT / "docs" / "bench_soak_server.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "soak.png")
+    parser.add_argument("--notes", type=Path, default=ROOT / "benchmarks" / "soak_notes.md",
+                        help="the written analysis, appended to the section")
     parser.add_argument("--update-docs", action="store_true")
     args = parser.parse_args(argv)
     commands = [f"python -m minfer bench soak --requests {args.requests} --sample-every 250",
@@ -88,6 +93,8 @@ def main(argv=None) -> int:
     compare = {**compare, "variants": {"long soak (buckets)": main_run, **compare["variants"]}}
     plot_variants(compare, args.plot)
     markdown = render(main_run, compare, server, commands)
+    if args.notes.exists():
+        markdown += "\n" + args.notes.read_text()
     print(markdown)
     if args.update_docs:
         write_docs_section(markdown, DOCS_PAGE, START, END, "## Long-running stability (soak)",

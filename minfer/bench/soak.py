@@ -159,8 +159,10 @@ def soak_engine(llm: LLM, num_requests: int, sample_every: int = 250, in_flight:
     samples.append(final)
     tracemalloc.stop()
     expected_refusals = counts["invalid"]
+    from minfer.bench.common import machine_info
+
     return {
-        "num_requests": sent, "counts": counts, "samples": [asdict(s) for s in samples],
+        "machine": machine_info(), "num_requests": sent, "counts": counts, "samples": [asdict(s) for s in samples],
         "seconds": final.seconds, "output_tokens_per_s": counts["tokens"] / final.seconds,
         "leaked_blocks": final.blocks_in_use, "requests_left": final.engine_requests + final.running + final.waiting,
         "max_block_discrepancy": max(s.blocks_in_use - s.blocks_held for s in samples),
