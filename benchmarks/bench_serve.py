@@ -6,11 +6,11 @@ docstring says how each number is measured. This script only knows where the doc
     python benchmarks/bench_serve.py --base-url http://127.0.0.1:8000 --sweep 0.5,1,2   # a server already running
     python benchmarks/bench_serve.py --launch --servers minfer --sweep 1,2 --num-prompts 16   # a short check
 
-The measured run of docs/benchmarks.md (both servers started here, one after another; about 15 minutes):
+The measured run of docs/benchmarks.md (both servers started here, one after another; 12.5 minutes):
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_serve.py --launch --sweep 0.125,0.25,0.375,0.5,0.75,1,1.5,2,3,4 \\
-        --sweep-duration 40 --num-prompts 64 --goodput ttft:2000 --server-threads 2 \\
-        --json docs/bench_serve.json --plot docs/bench_serve.png --notes benchmarks/bench_serve_notes.md --update-docs
+    OMP_NUM_THREADS=1 python benchmarks/bench_serve.py --launch --servers minfer,minfer-seq \\
+        --sweep 0.125,0.25,0.375,0.5,0.75,1,1.5,2,3,4,6 --sweep-duration 24 --num-prompts 96 \\
+        --goodput ttft:2000 --server-threads 1 --max-duration 120 --json docs/bench_serve.json --plot docs/bench_serve.png
 
 To rebuild the docs from the saved run without measuring again:
 

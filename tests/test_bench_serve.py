@@ -251,6 +251,19 @@ def test_a_sweep_stops_past_the_knee(tokenizer):
     assert [r["request_rate"] for r in met["runs"]] == [1000.0, 2000.0] and met["sustainable_rate"] == 2000.0
 
 
+def test_ratios_of_sustainable_rates():
+    def server(name, sustainable, rates=(0.25, 0.5, 1, 2)):
+        return {"name": name, "sustainable_rate": sustainable, "runs": [{"request_rate": r} for r in rates]}
+
+    r = bs.ratios([server("minfer", 2.0), server("minfer-seq", 0.25)])
+    assert r == {"minfer_vs_one_at_a_time": 8.0, "minfer_vs_one_at_a_time_is_lower_bound": False}
+    r = bs.ratios([server("minfer", 2.0), server("minfer-seq", None)])  # below 0.25: the ratio is at least 8
+    assert r == {"minfer_vs_one_at_a_time": 8.0, "minfer_vs_one_at_a_time_is_lower_bound": True}
+    assert bs.ratios([server("minfer", None), server("minfer-seq", 0.5)])["minfer_vs_one_at_a_time"] is None
+    assert bs.ratios([server("minfer", math.inf), server("minfer-seq", 1.0)])["minfer_vs_one_at_a_time"] is None
+    assert bs.ratios([server("minfer", 2.0)]) == {}
+
+
 def test_rates_ranges_and_prompts_per_rate():
     assert bs.parse_rates("2,0.5, 1,inf,1") == [0.5, 1.0, 2.0, math.inf]
     for bad in ("", "a,b", "1,0", "-1"):

@@ -46,6 +46,7 @@ import json
 import math
 import os
 import random
+import re
 import shlex
 import signal
 import socket
@@ -804,16 +805,23 @@ def _resolvable(model: str) -> bool:
 
 
 def ratios(servers: Sequence[dict]) -> dict:
-    """minfer's sustainable rate over the one-at-a-time server's and over llama.cpp's (where both were measured)."""
-    by = {s["name"]: s["sustainable_rate"] for s in servers}
+    """minfer's sustainable rate over the one-at-a-time server's and over llama.cpp's (where both were measured).
+
+    If the other server sustained none of the swept rates, its sustainable rate lies below the lowest
+    rate swept, so minfer's rate over that lowest rate is a lower bound on the ratio: stored with
+    `<key>_is_lower_bound` True. No ratio (None) when minfer sustained none, or a rate was inf."""
+    by = {s["name"]: s for s in servers}
     out = {}
     for other, key in (("minfer-seq", "minfer_vs_one_at_a_time"), ("llama-cpp", "minfer_vs_llama_cpp")):
         if "minfer" not in by or other not in by:
             continue
-        mine, theirs = by["minfer"], by[other]
-        # no ratio to state when one sustained none of the swept rates, or one sustained 'all at once' (inf)
-        finite = mine is not None and theirs is not None and not math.isinf(mine) and not math.isinf(theirs)
+        mine, theirs = by["minfer"]["sustainable_rate"], by[other]["sustainable_rate"]
+        lower_bound = theirs is None
+        if lower_bound:
+            theirs = min(run["request_rate"] for run in by[other]["runs"])
+        finite = mine is not None and not math.isinf(mine) and not math.isinf(theirs)
         out[key] = mine / theirs if finite else None
+        out[key + "_is_lower_bound"] = lower_bound and finite
     return out
 
 
@@ -868,12 +876,19 @@ def format_markdown(result: dict) -> str:
         skipped = f"; not run (past the knee): {', '.join(f'{r:g}' for r in sv['rates_skipped'])}" if sv["rates_skipped"] else ""
         lines.append(f"- {sv['label']}: sustainable {_rate_text(sv['sustainable_rate'])}, knee "
                      f"{_rate_text(sv['knee_rate'])}, best goodput {_num(sv['max_goodput'], 2)} req/s{skipped}")
-    ra = result["ratios"]
+    ra = ratios(servers)  # recomputed, so that --render of an older run states them as this code does
     names = {"minfer_vs_one_at_a_time": "minfer / one at a time", "minfer_vs_llama_cpp": "minfer / llama.cpp server"}
-    for key, value in ra.items():
-        target = TARGETS[key]
-        verdict = "– (one server sustained none of the swept rates, or all of them up to inf)" if value is None else \
-            f"{value:.2f}× {'✓' if value >= target else '✗'}"
+    for key, target in TARGETS.items():
+        if key not in ra:
+            continue
+        value = ra[key]
+        if value is None:
+            verdict = "– (minfer sustained none of the swept rates, or a rate was inf)"
+        elif ra[key + "_is_lower_bound"]:
+            verdict = (f"≥ {value:.1f}× {'✓' if value >= target else '?'} (a lower bound: the other server sustained "
+                       "none of the swept rates, so its rate is below the lowest one swept)")
+        else:
+            verdict = f"{value:.2f}× {'✓' if value >= target else '✗'}"
         lines.append(f"- {names[key]}, sustainable rate: {verdict} (target ≥ {target:g}×)")
     lines.append(f"- llama.cpp: {result['llama_cpp']}")
     return "\n".join(lines) + "\n"
@@ -967,6 +982,12 @@ INTRO = ("An OpenAI-compatible server measured over HTTP as users meet it: reque
          "(its docstring has the full command).")
 
 
+def to_json(result: dict) -> str:
+    """Indented JSON with each list of numbers on one line (the per-request lists would take a line per number)."""
+    text = json.dumps(result, indent=1)
+    return re.sub(r"\[([-0-9.eE,\snul]*)\]", lambda m: "[" + ", ".join(m.group(1).split()).replace(",,", ",") + "]", text)
+
+
 def report(result: dict, args: argparse.Namespace) -> int:
     """Print the table; write the JSON, the plot and the docs section where asked."""
     markdown = format_markdown(result)
@@ -978,7 +999,7 @@ def report(result: dict, args: argparse.Namespace) -> int:
     print(markdown)
     if args.json_path and not args.render:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(result, indent=1))
+        Path(args.json_path).write_text(to_json(result))
     if args.update_docs:
         write_docs_section(markdown, args.update_docs, DOCS_START, DOCS_END, DOCS_HEADING, INTRO)
     return 0
