@@ -849,20 +849,24 @@ def format_markdown(result: dict) -> str:
     """The docs section: command, machine, workload, the table, sustainable rates and ratios against the targets."""
     m, s = result["machine"], result["settings"]
     slo = s["slo_ttft_ms"]
-    per_rate = f"about rate × {s['sweep_duration']:g} s of requests" if s["sweep_duration"] else "requests"
+    if s["sweep_duration"]:
+        per_rate = (f"per rate about rate × {s['sweep_duration']:g} s of requests (at least "
+                    f"{min(MIN_SWEEP_PROMPTS, s['num_prompts'])}, at most {s['num_prompts']})")
+    else:
+        per_rate = f"{s['num_prompts']} requests per rate"
     arrivals = "Poisson" if s["burstiness"] == 1 else f"gamma, burstiness {s['burstiness']:g}"
     if s["max_concurrency"]:
         arrivals += f", at most {s['max_concurrency']} in flight"
-    slo_text = ", ".join(f"{k} ≤ {v:g} ms" for k, v in s["goodput_slos_ms"].items()) or f"ttft ≤ {slo:g} ms"
+    slo_text = ", ".join(f"{k} ≤ {v:g} ms" for k, v in s["goodput_slos_ms"].items())
     lines = [f"Command: `{result['command']}`  ",
              f"Machine: {m['cpu']}, {m['cores']} cores, load average {m.get('load_average_1min', '?')} at the start; "
              f"torch {m['torch']}, Python {m['python']}; {result['date']}, {result['elapsed_s'] / 60:.1f} min in all  ",
-             f"Workload: per rate {per_rate} (at least {min(MIN_SWEEP_PROMPTS, s['num_prompts'])}, at most "
-             f"{s['num_prompts']}), prompts of {s['input_len'][0]}–{s['input_len'][1]} tokens cut from "
+             f"Workload: {per_rate}, prompts of {s['input_len'][0]}–{s['input_len'][1]} tokens cut from "
              f"`pydoc_data.topics`, outputs of {s['output_len'][0]}–{s['output_len'][1]} tokens ({s['output_dist']}), "
              f"{'EOS ignored' if s['ignore_eos'] else 'stopping at EOS'}, temperature {s['temperature']:g}, "
              f"seed {s['seed']}; arrivals {arrivals}.  ",
-             f"SLO: p99 TTFT ≤ {slo:g} ms; goodput counts the requests meeting {slo_text}."]
+             f"SLO: p99 TTFT ≤ {slo:g} ms; " + (f"goodput counts the requests meeting {slo_text}." if slo_text
+                                                  else "no --goodput given, so no goodput.")]
     servers = result["servers"]
     if any(sv.get("command") for sv in servers):
         lines += ["", "Servers, one after another on this machine (OMP_NUM_THREADS="
