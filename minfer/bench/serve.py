@@ -915,13 +915,11 @@ def _short_command(command: str) -> str:
 def plot_sweep(result: dict, path: Union[str, Path]) -> None:
     """The latency-throughput curve: p50 and p99 TTFT and TPOT against achieved output throughput, one line per
     server, the TTFT SLO drawn across; and goodput against the offered request rate."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import matplotlib.ticker
+    from matplotlib.figure import Figure  # no pyplot: a notebook's backend stays as it is
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    fig = Figure(figsize=(17, 4.8))
+    axes = fig.subplots(1, 3)
     slo = result["settings"]["slo_ttft_ms"]
     colors = {"minfer": "tab:green", "minfer-seq": "tab:gray", "llama-cpp": "tab:orange"}
     for i, server in enumerate(result["servers"]):
@@ -975,7 +973,6 @@ def plot_sweep(result: dict, path: Union[str, Path]) -> None:
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=85)
-    plt.close(fig)
 
 
 INTRO = ("An OpenAI-compatible server measured over HTTP as users meet it: requests arrive at random (Poisson) "
