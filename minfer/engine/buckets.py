@@ -15,10 +15,11 @@ So the model runner pads each step to `bucket_for(T)` tokens. The padding rows g
 linear layers and the norms (row by row: they change no real row), attention skips them
 (`PagedStep.attend`), and no logits are read from them.
 
-The sizes come from a measurement (docs/benchmarks.md, "Step shapes in buckets"): on SmolLM2-135M
-a step of up to 16 tokens costs about what one token costs (reading the weights dominates), so
-padding there is free and powers of two suffice; above 16 a step's cost grows with T, so the
-buckets follow at most a quarter of their size apart (mean padding about 8 %).
+The sizes come from a measurement (`benchmarks/step_cost.py`; docs/benchmarks.md, "Long-running
+stability"): on SmolLM2-135M a step of up to 16 tokens costs about what one token costs (reading
+the weights dominates), so padding there is free and powers of two suffice; above 16 a step's cost
+grows with T, so the buckets follow at most a third of their size apart (the soak padded 5 % of
+its rows).
 """
 from __future__ import annotations
 
