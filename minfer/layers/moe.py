@@ -1,0 +1,127 @@
+"""The mixture-of-experts MLP: route each token to k of E SwiGLU experts, then mix their outputs.
+
+    router_logits [T, E] --route_topk--> weights [T, k], expert_ids [T, k]
+    out[t] = sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t),   e = expert_ids[t, j]
+
+The expert weights lie stacked, as transformers (v5) and vLLM keep them: gate_up [E, 2F, D]
+(gate rows first, then up rows) and down [E, D, F]. One function, three implementations:
+
+    "reference"  a loop over the experts, each taking the tokens routed to it (differentiable)
+    "grouped"    the token-expert pairs sorted by expert once, each expert's run one matmul;
+                 at small batches the k chosen experts' weights gathered into one batched matmul
+    "triton"     minfer.kernels.fused_moe: the sorted pairs as one grouped matmul per projection
+
+"auto" runs "triton" on CUDA and "grouped" elsewhere.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+MOE_IMPLS = ("auto", "reference", "grouped", "triton")
+# below this many token-expert pairs per expert, gathering each pair's weights into one batched
+# matmul beats a matmul per expert (fewer, larger calls; the extra bytes are few at such sizes)
+GATHER_PAIRS_PER_EXPERT = 0.5
+
+
+def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the experts (in float32), keep the k largest; renormalise them to sum to 1 if asked.
+
+    Mixtral and Qwen3-MoE (norm_topk_prob=True) renormalise, Qwen2-MoE does not: its weights are
+    the plain softmax probabilities. Returns (weights [T, k] float32, expert_ids [T, k] int64).
+    """
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits must be [tokens, experts], got shape {tuple(router_logits.shape)}")
+    num_experts = router_logits.shape[1]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be between 1 and the number of experts ({num_experts}), got {top_k}")
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, expert_ids
+
+
+def moe_mlp(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor,
+            down: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """x [T, D], weights/expert_ids [T, k], gate_up [E, 2F, D], down [E, D, F] -> [T, D] in x's dtype."""
+    _check_shapes(x, weights, expert_ids, gate_up, down)
+    if impl not in MOE_IMPLS:
+        raise ValueError(f"unknown MoE implementation {impl!r}: use one of {MOE_IMPLS}")
+    if impl == "auto":
+        impl = "triton" if x.is_cuda else "grouped"
+    if impl == "reference":
+        return moe_mlp_reference(x, weights, expert_ids, gate_up, down)
+    if impl == "grouped":
+        return moe_mlp_grouped(x, weights, expert_ids, gate_up, down)
+    from minfer.kernels.fused_moe import fused_moe  # Triton is imported only when asked for
+
+    return fused_moe(x, weights, expert_ids, gate_up, down)
+
+
+def _check_shapes(x, weights, expert_ids, gate_up, down) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be [tokens, hidden], got shape {tuple(x.shape)}")
+    if weights.dim() != 2 or weights.shape != expert_ids.shape or weights.shape[0] != x.shape[0]:
+        raise ValueError(f"weights and expert_ids must both be [tokens={x.shape[0]}, top_k], got "
+                         f"{tuple(weights.shape)} and {tuple(expert_ids.shape)}")
+    if expert_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"expert_ids must be an integer tensor, got {expert_ids.dtype}")
+    if gate_up.dim() != 3 or gate_up.shape[2] != x.shape[1] or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [experts, 2 * intermediate, hidden={x.shape[1]}], got {tuple(gate_up.shape)}")
+    num_experts, two_f, hidden = gate_up.shape
+    if tuple(down.shape) != (num_experts, hidden, two_f // 2):
+        raise ValueError(f"down must be [experts={num_experts}, hidden={hidden}, intermediate={two_f // 2}], "
+                         f"got {tuple(down.shape)}")
+
+
+def swiglu_expert(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """One expert on its tokens: h [n, D], gate_up [2F, D], down [D, F] -> [n, D]."""
+    gate, up = F.linear(h, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
+
+
+def moe_mlp_reference(x, weights, expert_ids, gate_up, down) -> torch.Tensor:
+    """Plain PyTorch: for each expert, the (token, slot) pairs routed to it, their outputs added in."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(gate_up.shape[0]):
+        tokens, slots = torch.where(expert_ids == e)
+        if tokens.numel() == 0:
+            continue
+        y = swiglu_expert(x[tokens], gate_up[e], down[e])
+        out = out.index_add(0, tokens, y.float() * weights[tokens, slots, None].float())  # out of place: autograd
+    return out.to(x.dtype)
+
+
+def moe_mlp_grouped(x, weights, expert_ids, gate_up, down) -> torch.Tensor:
+    """The pairs sorted by expert once; each expert's contiguous run is one matmul (no per-expert search).
+
+    With fewer pairs than experts (decode at small batches), each pair's expert weights are gathered
+    instead and all pairs go through two batched matmuls: that reads only the experts chosen.
+    """
+    num_tokens, top_k = expert_ids.shape
+    num_experts = gate_up.shape[0]
+    flat_ids = expert_ids.reshape(-1)
+    if flat_ids.numel() <= GATHER_PAIRS_PER_EXPERT * num_experts:
+        h = x.repeat_interleave(top_k, dim=0).unsqueeze(-1)                       # [T*k, D, 1]
+        gate, up = torch.bmm(gate_up[flat_ids], h).squeeze(-1).chunk(2, dim=-1)  # [T*k, F] each
+        y = torch.bmm(down[flat_ids], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+    else:
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+        runs = x[order // top_k].split(counts)
+        y_sorted = torch.cat([swiglu_expert(h, gate_up[e], down[e]) for e, h in enumerate(runs) if counts[e]])
+        y = torch.empty_like(y_sorted)
+        y[order] = y_sorted
+    y = y.view(num_tokens, top_k, -1).float() * weights.unsqueeze(-1).float()
+    return y.sum(dim=1).to(x.dtype)
+
+
+def tokens_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many token-expert pairs each expert received: [E] int64 (sums to T * k)."""
+    return torch.bincount(expert_ids.reshape(-1).long(), minlength=num_experts)
+
+
+def distinct_experts(expert_ids: torch.Tensor) -> int:
+    """How many different experts these tokens touched (whose weights a step must read)."""
+    return int(torch.unique(expert_ids).numel())
