@@ -1,0 +1,43 @@
+"""The notebooks' GPU cells: figures stored with device and date, shown on CPU, measured in a rehearsal."""
+import json
+
+import pytest
+
+from minfer.bench import gpu_figures as gf
+
+
+def test_gpu_cell_on_cpu_shows_that_none_are_stored_and_does_not_measure(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(gf.REHEARSE_ENV, raising=False)
+    monkeypatch.delenv(gf.FOLDER_ENV, raising=False)
+    if gf.measuring_here():
+        pytest.skip("a CUDA device is present: the cell measures")
+    assert gf.gpu_cell("ch99", "t", lambda: pytest.fail("measured on the CPU"), tmp_path) is None
+    assert "No GPU figures stored for ch99 yet" in capsys.readouterr().out
+
+
+def test_rehearsal_measures_stores_and_the_next_cpu_run_shows_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(gf.REHEARSE_ENV, "1")
+    monkeypatch.setenv(gf.FOLDER_ENV, str(tmp_path / "out"))  # the env var wins over the folder passed in
+    shown = gf.gpu_cell("ch99", "decode rate", lambda: {"batch": [1, 64], "tokens/s": [310.123456, 9100.0]},
+                        tmp_path / "unused", notes="a note", plot={"x": "batch", "y": ["tokens/s"], "logx": True})
+    stored = json.loads((tmp_path / "out" / "ch99.json").read_text())
+    assert stored == shown and stored["columns"]["batch"] == [1, 64] and stored["device"] == gf.device_name()
+    assert not (tmp_path / "unused").exists()
+    monkeypatch.setenv(gf.REHEARSE_ENV, "0")
+    capsys.readouterr()
+    if not gf.measuring_here():
+        assert gf.gpu_cell("ch99", "decode rate", lambda: pytest.fail("measured"), tmp_path / "unused") == stored
+    text = gf.format_figures(stored)
+    assert text.splitlines()[0].startswith(f"decode rate: measured on {stored['device']}, {stored['date']}")
+    assert "310.1" in text and "310.12" not in text and text.endswith("a note")
+    assert gf.plot_figures(stored).axes[0].get_xscale() == "log"
+
+
+def test_bad_figures_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="equally long"):
+        gf.make_figures("ch99", "t", {"a": [1, 2], "b": [1]})
+    with pytest.raises(ValueError, match="plot needs"):
+        gf.make_figures("ch99", "t", {"a": [1]}, plot={"x": "a", "y": ["nope"]})
+    (tmp_path / "ch99.json").write_text(json.dumps({"chapter": "ch99"}))
+    with pytest.raises(ValueError, match="lacks"):
+        gf.load_figures("ch99", tmp_path)
