@@ -99,6 +99,8 @@ class EngineConfig:
     (the default) runs every step eagerly: measured on CPU, compiling costs about 40 s and gains
     nothing over the eager step (docs/benchmarks.md); on CUDA it is not measured yet.
 
+    tensor_parallel_size: split every layer over this many processes (vLLM's name; `minfer.engine.parallel`).
+
     bucket_step_shapes: pad every step's token count up to a fixed size (`minfer.engine.buckets`),
     so that the matmuls meet a bounded set of shapes: no kernel compiles in a long-running decode
     loop, and memory that stays flat (minfer's own; False runs every step at its exact size).
@@ -127,6 +129,7 @@ class EngineConfig:
     num_speculative_tokens: Optional[int] = None
     enforce_eager: Optional[bool] = None
     bucket_step_shapes: bool = True
+    tensor_parallel_size: int = 1
 
     @classmethod
     def from_kwargs(cls, caller: str, **kwargs) -> "EngineConfig":
@@ -141,7 +144,7 @@ class EngineConfig:
         self.device = resolve_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override",
-                     "kv_cache_memory_bytes", "max_model_len"):
+                     "kv_cache_memory_bytes", "max_model_len", "tensor_parallel_size"):
             value = getattr(self, name)
             if value is not None and not _is_positive_int(value):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from minfer.config import EngineConfig
 from minfer.engine.engine import Engine
+from minfer.engine.parallel import ParallelModelRunner, TensorParallelWorkers, check_tensor_parallel
 from minfer.generate import generate_static_batch
 from minfer.layers.attention import AttentionFn, get_attention_fn
 from minfer.layers.linear import pack_linears
@@ -41,7 +42,10 @@ class LLM:
     'awq', 'gptq') and quantization_group_size, kv_cache_dtype ('auto', 'int8'), block_size, the KV pool's
     size (num_gpu_blocks_override, kv_cache_memory_bytes, gpu_memory_utilization), max_num_seqs,
     max_num_batched_tokens, enable_chunked_prefill, enable_prefix_caching, speculative_model with
-    num_speculative_tokens, enforce_eager. An unknown keyword raises TypeError.
+    num_speculative_tokens, enforce_eager, tensor_parallel_size. An unknown keyword raises TypeError.
+
+    tensor_parallel_size=N splits every layer over N processes (see `minfer.engine.parallel`):
+    N must divide the query and KV head counts (1 or 3 for SmolLM2-135M).
 
     Quantization (see `minfer.quant.linear`): 'int8' per output channel, 'int4' in groups along the
     input (default group: the largest of 32/64/128 dividing the model's sizes, 64 for SmolLM2-135M),
@@ -63,6 +67,16 @@ class LLM:
         config.fit_to_model(loaded.config)
         self.config, self.tokenizer, self.model_path = loaded.config, loaded.tokenizer, loaded.path
         self.device, self.dtype = config.device, config.dtype
+        self._seed_stream = torch.Generator().manual_seed(config.seed)
+        self._request_counter = 0
+        self.tensor_parallel_size = config.tensor_parallel_size
+        if config.tensor_parallel_size > 1:  # workers hold the other shards (minfer.engine.parallel)
+            check_tensor_parallel(config, loaded.config, attention, loaded.quantization is not None)
+            workers = TensorParallelWorkers(loaded, config, attention)
+            del loaded
+            self.model = workers.model
+            self.engine = Engine(self.model, self.tokenizer, config, runner=ParallelModelRunner(self.model, config, workers))
+            return
         if loaded.quantization is not None:  # a saved quantized checkpoint (minfer.quant.checkpoint): as stored
             method, group_size = loaded.quantization["method"], loaded.quantization["group_size"]
             if config.quantization not in (None, method) or config.quantization_group_size not in (None, group_size):
@@ -82,8 +96,6 @@ class LLM:
             pack_linears(self.model)  # oneDNN's layout, once: faster matmuls (minfer.layers.linear)
         self.set_attention(attention)
         self.engine = Engine(self.model, self.tokenizer, config)  # it makes the draft proposer, if any
-        self._seed_stream = torch.Generator().manual_seed(config.seed)
-        self._request_counter = 0
 
     @property
     def max_model_len(self) -> int:
@@ -95,6 +107,8 @@ class LLM:
 
     def set_attention(self, attention: Union[str, AttentionFn]) -> None:
         """Swap the attention backend (a name or a function with the documented contract)."""
+        if self.tensor_parallel_size > 1:
+            raise ValueError("set_attention changes rank 0 only: with tensor_parallel_size > 1 pass attention= to LLM()")
         self.model.attention_fn = get_attention_fn(attention)
 
     def generate(self, prompts: Union[PromptType, list[PromptType]],
@@ -115,6 +129,8 @@ class LLM:
         if (batching == "static" or not use_cache) and self.engine.proposer is not None:
             raise ValueError("speculative decoding runs in the serving engine: use batching='continuous' with "
                              "use_cache=True, or an LLM without speculative_model")
+        if (batching == "static" or not use_cache) and self.tensor_parallel_size > 1:
+            raise ValueError("tensor parallelism runs in the serving engine: use batching='continuous' with use_cache=True")
         requests = self._make_requests(prompts, sampling_params)
         bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm or len(requests) < 2)
         if batching == "static" or not use_cache:

@@ -50,18 +50,19 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: LlamaModel, tokenizer, config: Optional[EngineConfig] = None, *,
-                 use_kernels: Optional[bool] = None, **engine_args) -> None:
+                 use_kernels: Optional[bool] = None, runner: Optional[ModelRunner] = None, **engine_args) -> None:
         """config: an EngineConfig, or its fields as keywords (vLLM's names; see `minfer.config`).
         With config.speculative_model (a name, a model, or a `Proposer` of your own), every decoding
         sequence gets up to config.num_speculative_tokens draft tokens, verified in the same pass as
-        its last token (see minfer/spec). use_kernels: see `ModelRunner` (None: the Triton kernels on CUDA)."""
+        its last token (see minfer/spec). use_kernels: see `ModelRunner` (None: the Triton kernels on CUDA).
+        runner: a model runner made already (tensor parallelism's, `minfer.engine.parallel`)."""
         if config is not None and engine_args:
             raise TypeError(f"give an EngineConfig or keywords, not both (got {sorted(engine_args)})")
         config = config or EngineConfig.from_kwargs("Engine()", **engine_args)
         config.fit_to_model(model.config)
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.eos_token_ids = {t for t in (tokenizer.eos_token_id,) if t is not None}
-        self.runner = ModelRunner(model, config, use_kernels)
+        self.runner = runner or ModelRunner(model, config, use_kernels)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)

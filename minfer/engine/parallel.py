@@ -1,0 +1,217 @@
+"""Tensor parallelism: `LLM(model, tensor_parallel_size=N)` runs every layer split over N processes.
+
+    llm = LLM("smollm2-135m", tensor_parallel_size=3)     # 9 query heads, 3 KV heads: N is 1 or 3
+    llm.generate(prompts, params)                          # as before; the split is invisible here
+    llm.engine.runner.comm_stats                           # all-reduces: count, bytes, seconds (rank 0's view)
+
+Who does what (the layout of vLLM's and nano-vllm's engines):
+
+* **Rank 0** is the process that made the `LLM`. It runs everything that decides: the scheduler,
+  the block manager (so continuous batching, preemption and prefix caching work unchanged) and
+  sampling. Each step it prepares the step's tensors as usual, then broadcasts them (token ids,
+  positions, each sequence's slice and block table) to the workers (`ParallelModelRunner`).
+* **Ranks 1..N-1** are worker processes started here with torch.multiprocessing (spawn). Each
+  holds 1/N of every layer (`minfer.layers.parallel_linear`) and a KV pool of its own for its KV
+  heads, with the same block numbering as rank 0's: a block table means the same on every rank.
+  A worker waits for a step, runs the same forward pass on its shard, and waits again.
+* Every rank joins the two all-reduces per layer (after o_proj and down_proj); torch.distributed
+  carries them: gloo between CPU processes, NCCL between GPUs.
+
+The embedding and the output head are replicated, not split by vocabulary. Split, the embedding
+would need one more all-reduce per step and the head an all-gather of logits (vocabulary x tokens);
+replicated, they cost memory on every device (SmolLM2-135M: 49152 x 576, tied, 28 M parameters,
+113 MB in float32) and no communication. Only rank 0 runs the head, since only rank 0 samples.
+For a small model that is the better trade; for a 70B model (128256 x 8192 twice, 4.2 GB in
+bfloat16) vocabulary-parallel is what vLLM does.
+
+Not supported with N > 1 (each refused with a ValueError): speculative decoding, the calibrated
+quantizations 'awq' and 'gptq' (calibration runs the whole model) and saved quantized checkpoints,
+compiled decode (enforce_eager=False), attention functions other than a backend's name, mixture of
+experts. 'int8' and 'int4' quantize each shard after slicing. One tensor-parallel LLM per process
+at a time (torch.distributed has one default group); workers stop when it is garbage-collected,
+at exit, or if rank 0 dies.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import threading
+import time
+import weakref
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from minfer.config import EngineConfig, ModelConfig
+from minfer.engine.model_runner import ModelRunner, PreparedStep
+from minfer.engine.paged_kv import KVPool, PagedStep
+from minfer.layers.attention import get_attention_fn
+from minfer.layers.linear import pack_linears
+from minfer.layers.parallel_linear import CommStats, shard_model_config, shard_weights, wrap_row_parallel
+from minfer.models.llama import LlamaModel
+from minfer.quant.linear import allowed_group_sizes, quantize_model, resolve_group_size
+from minfer.sequence import Sequence
+
+TIMEOUT = timedelta(minutes=5)  # a collective that waits this long means a rank died
+
+
+def check_tensor_parallel(config: EngineConfig, model_config: ModelConfig, attention, quantized_checkpoint: bool) -> None:
+    """Everything that N > 1 cannot serve, refused before a process starts."""
+    n = config.tensor_parallel_size
+    shard = shard_model_config(model_config, n)  # divisibility, mixture of experts
+    refused = {"speculative decoding (speculative_model)": config.speculative_model is not None,
+               f"quantization={config.quantization!r} (its calibration runs the whole model; use 'int8' or 'int4')":
+                   config.quantization in ("awq", "gptq"),
+               "a saved quantized checkpoint (load the float checkpoint with quantization='int8' or 'int4')":
+                   quantized_checkpoint,
+               "enforce_eager=False (compiled decode)": config.enforce_eager is False,
+               "an attention function (workers are separate processes: pass 'sdpa' or 'reference')": callable(attention)}
+    for what, hit in refused.items():
+        if hit:
+            raise ValueError(f"tensor_parallel_size={n} does not support {what}")
+    if config.quantization == "int4":
+        group = resolve_group_size(model_config, config.quantization_group_size)
+        if group not in allowed_group_sizes(shard):
+            raise ValueError(f"int4 group size {group} does not divide a shard's input sizes with tensor_parallel_size="
+                             f"{n} (hidden {shard.hidden_size}, heads {shard.num_heads * shard.head_dim}, intermediate "
+                             f"{shard.intermediate_size}): choose quantization_group_size from {allowed_group_sizes(shard)}")
+    if config.device.type == "cuda" and torch.cuda.device_count() < n:
+        raise ValueError(f"tensor_parallel_size={n} needs {n} CUDA devices, found {torch.cuda.device_count()}")
+    if dist.is_initialized():
+        raise ValueError("a tensor-parallel LLM is already running in this process: delete it first (del llm)")
+
+
+def build_shard(config: ModelConfig, weights: dict, dtype: torch.dtype, device: torch.device, quantization: Optional[str],
+                group_size: Optional[int], attention: str, stats: CommStats) -> LlamaModel:
+    """One rank's model: the shard's shape, its weights, quantized after slicing, packed, all-reduces behind."""
+    model = LlamaModel.from_weights(config, weights, dtype, device)
+    if quantization is not None:
+        quantize_model(model, quantization, group_size if quantization == "int4" else None)
+    if device.type == "cpu":
+        pack_linears(model)
+    wrap_row_parallel(model, stats)
+    model.attention_fn = get_attention_fn(attention)
+    return model
+
+
+class TensorParallelWorkers:
+    """Rank 0's side: starts ranks 1..N-1, builds its own shard, sends each step, stops them."""
+
+    def __init__(self, loaded, config: EngineConfig, attention: str) -> None:
+        n = self.world_size = config.tensor_parallel_size
+        shard_config = shard_model_config(loaded.config, n)
+        group_size = resolve_group_size(loaded.config, config.quantization_group_size) if config.quantization == "int4" else None
+        self.device = torch.device("cuda", 0) if config.device.type == "cuda" else config.device
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        port, context = free_port(), mp.get_context("spawn")
+        self.processes = []
+        for rank in range(1, n):  # they load while rank 0 builds its own shard
+            args = (rank, n, port, backend, shard_config, shard_weights(loaded.weights, rank, n), config.dtype,
+                    config.quantization, group_size, attention, os.getpid())
+            process = context.Process(target=worker_main, args=args, daemon=True, name=f"minfer-tp-rank{rank}")
+            process.start()
+            self.processes.append(process)
+        self._stopper = weakref.finalize(self, stop_workers, self.processes, self.device)  # at GC and at exit
+        self.stats = CommStats()
+        self.model = build_shard(shard_config, shard_weights(loaded.weights, 0, n), config.dtype, self.device,
+                                 config.quantization, group_size, attention, self.stats)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=n, timeout=TIMEOUT)
+
+    def send(self, message) -> None:
+        """Broadcast one message (a step, or None to stop) from rank 0 to every worker."""
+        start = time.perf_counter()
+        dist.broadcast_object_list([message], src=0, device=self.device if self.device.type == "cuda" else None)
+        self.stats.broadcast_seconds += time.perf_counter() - start
+        self.stats.broadcasts += 1
+        self.stats.broadcast_bytes += len(pickle.dumps(message))
+
+    def shutdown(self) -> None:
+        """Stop the workers now (also done when this object is collected, and at exit)."""
+        self._stopper()
+
+
+def stop_workers(processes: list, device: torch.device) -> None:
+    if dist.is_initialized():
+        try:
+            dist.broadcast_object_list([None], src=0, device=device if device.type == "cuda" else None)
+        except Exception:  # a worker died already: the join below ends the rest
+            pass
+    for process in processes:
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+            process.join()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class ParallelModelRunner(ModelRunner):
+    """The model runner of rank 0: the same steps, each one also sent to the workers before it runs."""
+
+    def __init__(self, model: LlamaModel, config: EngineConfig, workers: TensorParallelWorkers) -> None:
+        self.workers, self.comm_stats = workers, workers.stats
+        super().__init__(model, config)
+        workers.send(("pool", self.pool.num_blocks, config.block_size, config.kv_cache_dtype, config.bucket_step_shapes))
+
+    def _blocks_for_memory(self) -> int:
+        if self.device.type == "cuda" and self.config.kv_cache_memory_bytes is None:
+            self.workers.send(("profile", self.config.max_num_batched_tokens))  # the profiling pass has all-reduces
+        return super()._blocks_for_memory()
+
+    def prepare(self, batch: list[tuple[Sequence, int]]) -> PreparedStep:
+        step = super().prepare(batch)
+        paged = step.paged
+        self.workers.send(("step", step.input_ids[0].tolist(), step.positions[0].tolist(), paged.num_tokens,
+                           paged.slices, paged.use_kernels))
+        return step
+
+
+def worker_main(rank: int, world_size: int, port: int, backend: str, config: ModelConfig, weights: dict,
+                dtype: torch.dtype, quantization: Optional[str], group_size: Optional[int], attention: str,
+                parent_pid: int) -> None:
+    """Ranks 1..N-1: build the shard, then run every step rank 0 sends until it sends None."""
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = build_shard(config, weights, dtype, device, quantization, group_size, attention, CommStats())
+    del weights
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=TIMEOUT)
+    pool, bucket_widths, no_logits = None, False, torch.zeros(0, dtype=torch.long, device=device)
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
+        message = box[0]
+        if message is None:
+            break
+        if message[0] == "pool":
+            _, num_blocks, block_size, kv_cache_dtype, bucket_widths = message
+            pool = KVPool(config, num_blocks, block_size, dtype, device, kv_cache_dtype)
+        elif message[0] == "profile":
+            tokens = message[1]
+            model(torch.zeros(1, tokens, dtype=torch.long, device=device), torch.arange(tokens, device=device)[None])
+        else:  # a step: the same forward as rank 0's; only rank 0 reads logits
+            _, input_ids, positions, num_tokens, slices, use_kernels = message
+            paged = PagedStep(pool, slices, torch.tensor(positions[:num_tokens]), use_kernels, bucket_widths)
+            model(torch.tensor([input_ids], device=device), torch.tensor([positions], device=device), paged,
+                  logits_indices=no_logits)
+    dist.destroy_process_group()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """No orphans: a worker whose rank 0 died (killed, crashed) exits instead of waiting for it."""
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os._exit(0)
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now (for the rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
