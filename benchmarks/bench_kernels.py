@@ -25,49 +25,7 @@ from typing import Optional
 import torch
 
 from minfer.bench.generate import measure_memory_bandwidth
-
-
-def kernel_bandwidth(num_seqs: int = 32, context_len: int = 4096, num_heads: int = 32, num_kv_heads: int = 8,
-                     head_dim: int = 128, block_size: int = 16, dtype: torch.dtype = torch.bfloat16,
-                     peak_bytes_per_s: Optional[float] = None, kv_cache_dtype: str = "auto") -> dict:
-    """Time one paged decode step (kernel and reference) on CUDA; return times, GB/s and the fraction of peak.
-
-    kv_cache_dtype "int8": int8 pools with their float32 scale pools, as LLM(kv_cache_dtype="int8") keeps them."""
-    import triton.testing
-
-    from minfer.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
-
-    blocks_per_seq = triton.cdiv(context_len, block_size)
-    num_blocks = num_seqs * blocks_per_seq
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    scales = {}
-    if kv_cache_dtype == "int8":
-        k_pool = torch.randint(-127, 128, shape, dtype=torch.int8, device="cuda")
-        v_pool = torch.randint(-127, 128, shape, dtype=torch.int8, device="cuda")
-        scales = {"k_scales": torch.rand(shape[:3], device="cuda") / 127, "v_scales": torch.rand(shape[:3], device="cuda") / 127}
-    else:
-        k_pool = torch.randn(shape, dtype=dtype, device="cuda")
-        v_pool = torch.randn(shape, dtype=dtype, device="cuda")
-    # Shuffled blocks, as after a while of serving: a sequence's pages are not neighbours in memory.
-    block_tables = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(num_seqs, blocks_per_seq)
-    context_lens = torch.full((num_seqs,), context_len, dtype=torch.int32, device="cuda")
-    q = torch.randn(num_seqs, num_heads, head_dim, dtype=dtype, device="cuda")
-
-    kernel_ms = triton.testing.do_bench(
-        lambda: paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, **scales))
-    reference_ms = triton.testing.do_bench(
-        lambda: paged_decode_attention_reference(q, k_pool, v_pool, block_tables, context_lens, **scales))
-    vector_bytes = head_dim * k_pool.element_size() + (4 if scales else 0)  # one (token, KV head) of K or V
-    kv_bytes = 2 * num_seqs * context_len * num_kv_heads * vector_bytes
-    peak = peak_bytes_per_s or measure_memory_bandwidth(size_mb=1024, device="cuda")
-    achieved = kv_bytes / (kernel_ms / 1e3)
-    return {
-        "num_seqs": num_seqs, "context_len": context_len, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
-        "head_dim": head_dim, "block_size": block_size, "dtype": str(dtype).removeprefix("torch."),
-        "kv_cache_dtype": kv_cache_dtype,
-        "kv_mb": kv_bytes / 2**20, "kernel_ms": kernel_ms, "reference_ms": reference_ms,
-        "kernel_gb_per_s": achieved / 1e9, "peak_gb_per_s": peak / 1e9, "bandwidth_fraction": achieved / peak,
-    }
+from minfer.bench.kernels import kernel_bandwidth
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -13,6 +13,10 @@ and the notebooks (a notebook's measurement and the published one share the same
     spec.py      speculative decoding: the expected-speedup formula, a forward pass's cost, the draft
                  cost ratio c, batch-1 decode rate, the prompt sets (chapters 07-08, bench_speculative.py,
                  bench_router.py)
+    kernels.py   the paged decode kernel vs its gather reference on CUDA, GB/s and share of peak (chapter 03,
+                 bench_kernels.py)
+    gpu_figures.py  a chapter's GPU cell: measures on CUDA and stores docs/gpu/<chapter>.json with the device
+                 and date; elsewhere shows the stored figures (benchmarks/gpu_check.sh refreshes them)
     router.py    a router measured: the cheap candidates, each studied against the full model on the
                  graded tasks (c, AUC per signal, cost against accuracy, the operating point) (chapter 08,
                  bench_router.py)

@@ -135,9 +135,11 @@ def show_figures(chapter: str, folder: Union[str, Path], figures: Optional[dict]
 
 
 def gpu_cell(chapter: str, title: str, measure: Callable[[], dict[str, list]], folder: Union[str, Path],
-             notes: str = "", plot: Optional[dict] = None) -> Optional[dict]:
-    """Measure and store on CUDA (or in a rehearsal), else show the stored figures; returns the figures shown."""
-    if not measuring_here():
+             notes: str = "", plot: Optional[dict] = None, needs_cuda: bool = False) -> Optional[dict]:
+    """Measure and store on CUDA (or in a rehearsal, unless needs_cuda), else show the stored figures.
+
+    Returns the figures shown (None when none are stored)."""
+    if not measuring_here() or (needs_cuda and not torch.cuda.is_available()):
         return show_figures(chapter, folder)
     figures = make_figures(chapter, title, measure(), notes=notes, plot=plot)
     print("stored in", save_figures(figures, folder))
