@@ -38,12 +38,27 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False  # Qwen2 puts a bias on q/k/v
     architecture: str = "llama"
+    attention_output_bias: bool = False  # a bias on o_proj too (Qwen3 and Llama with attention_bias)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before RoPE
+    # Mixture of experts (minfer.models.moe): the layers in sparse_layers replace their MLP by
+    # num_experts experts of moe_intermediate_size, num_experts_per_tok of them per token
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the chosen experts' weights (Mixtral, Qwen3-MoE); Qwen2-MoE: False
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
+    sparse_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.sparse_layers and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}] for a model with "
+                             f"sparse layers, got {self.num_experts_per_tok}")
+        if any(not 0 <= i < self.num_layers for i in self.sparse_layers):
+            raise ValueError(f"sparse_layers must be layer indices in [0, {self.num_layers}), got {self.sparse_layers}")
 
     def kv_bytes_per_token(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
         """KV cache bytes one token takes: K and V, every layer and KV head, in the cache's format

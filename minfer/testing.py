@@ -43,11 +43,6 @@ def random_checkpoint(folder: str, shape: Union[str, ModelConfig] = "smollm2-135
     not on what the weights say. A word-level tokenizer with one token per id comes with it,
     so both minfer and transformers load the folder as they would a real model.
     """
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import PreTrainedTokenizerFast
-
     from minfer.models.loader import LoadedModel, save_hf_checkpoint
 
     config = MODEL_SHAPES[shape] if isinstance(shape, str) else shape
@@ -73,14 +68,23 @@ def random_checkpoint(folder: str, shape: Union[str, ModelConfig] = "smollm2-135
         if config.attention_bias:
             weights.update({p + "self_attn.q_proj.bias": torch.zeros(q), p + "self_attn.k_proj.bias": torch.zeros(kv),
                             p + "self_attn.v_proj.bias": torch.zeros(kv)})
+    save_hf_checkpoint(LoadedModel(config, weights, word_tokenizer(config.vocab_size), folder), folder)
+    return folder
+
+
+def word_tokenizer(vocab_size: int):
+    """A word-level tokenizer with one token per id: '<pad>', '<s>', '</s>', then 't3', 't4', ..."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
     specials = ["<pad>", "<s>", "</s>"]
     vocab = {tok: i for i, tok in enumerate(specials)}
-    vocab.update({f"t{i}": i for i in range(len(specials), config.vocab_size)})
+    vocab.update({f"t{i}": i for i in range(len(specials), vocab_size)})
     tok = Tokenizer(WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-    save_hf_checkpoint(LoadedModel(config, weights, tokenizer, folder), folder)
-    return folder
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
 def tiny_hf_checkpoint(folder, tokenizer, model_type: str = "llama", tie: bool = True, **overrides):
@@ -101,6 +105,46 @@ def tiny_hf_checkpoint(folder, tokenizer, model_type: str = "llama", tie: bool =
                 for layer in model.model.layers:
                     for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                         proj.bias.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model
+
+
+# tiny_moe_checkpoint's families: transformers' config class, and the name of its expert count
+MOE_FAMILIES = {"mixtral": ("MixtralConfig", "num_local_experts"), "qwen2_moe": ("Qwen2MoeConfig", "num_experts"),
+                "qwen3_moe": ("Qwen3MoeConfig", "num_experts"), "qwen3": ("Qwen3Config", None)}
+
+
+def tiny_moe_checkpoint(folder, tokenizer, model_type: str = "mixtral", num_experts: int = 4, top_k: int = 2,
+                        router_scale: float = 50.0, **overrides):
+    """Save a tiny transformers Mixtral / Qwen2-MoE / Qwen3-MoE (or dense Qwen3) and `tokenizer` in `folder`.
+
+    `TINY_HF`'s shape with experts of 32 neurons; transformers' own initialisation under seed 0, then
+    the routers' weights multiplied by router_scale, so that tokens really choose different experts
+    (at the initial 0.02 scale every router logit is near 0 and the choice is a coin toss on
+    rounding), and the q/k norms and biases drawn so that they matter. Returns the transformers model."""
+    import transformers
+
+    config_name, experts_key = MOE_FAMILIES[model_type]
+    args = {**TINY_HF, "head_dim": 24, "rope_theta": 10000.0, "tie_word_embeddings": False}  # head_dim != hidden/heads
+    if experts_key is not None:
+        args.update({experts_key: num_experts, "num_experts_per_tok": top_k})
+    if model_type != "mixtral" and experts_key is not None:
+        args.update(moe_intermediate_size=32, norm_topk_prob=model_type == "qwen3_moe")
+    if model_type == "qwen2_moe":
+        args.update(shared_expert_intermediate_size=48)
+    config = getattr(transformers, config_name)(**{**args, **overrides})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                    p.mul_(router_scale)
+                elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.uniform_(0.5, 1.5)
+                elif name.endswith("bias") or name.endswith("shared_expert_gate.weight"):
+                    p.normal_(0, 0.1)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return model

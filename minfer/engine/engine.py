@@ -24,7 +24,7 @@ back past the rest (num_computed, sealed blocks and block table cover accepted t
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -35,6 +35,7 @@ from minfer.engine.model_runner import ModelRunner, StepOutput
 from minfer.engine.scheduler import Scheduler
 from minfer.logprobs import logprobs_of
 from minfer.models.llama import LlamaModel
+from minfer.models.moe import last_expert_load, moe_blocks
 from minfer.outputs import RequestOutput
 from minfer.sequence import Request, Sequence
 from minfer.spec import Proposer, SpecDecodeStats, make_proposer, verify
@@ -46,6 +47,26 @@ class EngineStats:
     padding_tokens: int = 0  # rows added to reach each step's bucket size (minfer.engine.buckets)
     steps: int = 0
     peak_blocks_used: int = 0
+    # mixture-of-experts models (minfer.models.moe): token-expert pairs per [sparse layer, expert]
+    expert_tokens: Optional[torch.Tensor] = None  # summed over every step
+    step_tokens_per_expert: Optional[torch.Tensor] = None  # the last step's
+    step_distinct_experts: list[int] = field(default_factory=list)  # experts the last step read, per sparse layer
+    distinct_experts_sum: int = 0  # over steps and sparse layers, for the mean
+    moe_steps: int = 0
+
+    def record_expert_load(self, load: torch.Tensor) -> None:
+        """One step's token-expert pairs, [sparse layers, experts] (padding rows left out)."""
+        self.step_tokens_per_expert = load
+        self.expert_tokens = load if self.expert_tokens is None else self.expert_tokens + load
+        self.step_distinct_experts = (load > 0).sum(dim=1).tolist()
+        self.distinct_experts_sum += sum(self.step_distinct_experts)
+        self.moe_steps += 1
+
+    @property
+    def mean_distinct_experts(self) -> float:
+        """Experts a step touched (whose weights it read), averaged over steps and sparse layers."""
+        layers = len(self.step_distinct_experts)
+        return self.distinct_experts_sum / (self.moe_steps * layers) if self.moe_steps else 0.0
 
 
 class Engine:
@@ -68,6 +89,7 @@ class Engine:
                                    config.enable_chunked_prefill)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
+        self.moe_blocks = moe_blocks(model)  # their routing feeds stats.expert_tokens
         self.proposer: Optional[Proposer] = make_proposer(config.speculative_model, model, tokenizer,
                                                           config.max_model_len, config.dtype, config.device)
         self.num_speculative_tokens = config.num_speculative_tokens or 0
@@ -128,6 +150,8 @@ class Engine:
                 raise RuntimeError("nothing could be scheduled although requests wait: the KV pool is too small")
             return []
         output = self.runner.run(batch)
+        if self.moe_blocks:
+            self.stats.record_expert_load(last_expert_load(self.moe_blocks, output.num_tokens, self.model.config.num_experts))
         self._score_prompts(output)
         self._advance(batch, output.num_tokens)
         self.stats.padding_tokens += output.num_padding

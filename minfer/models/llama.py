@@ -1,7 +1,10 @@
-"""A Llama-family decoder (Llama, SmolLM2, Qwen2) in plain PyTorch, readable top to bottom.
+"""A Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3) in plain PyTorch, readable top to bottom.
 
     tokens -> embedding -> N x [ RMSNorm -> attention -> +residual -> RMSNorm -> SwiGLU MLP -> +residual ]
            -> RMSNorm -> output head -> logits
+
+Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) are the same decoder with a sparse
+block in place of the MLP in some layers (`minfer.models.moe`).
 
 Two choices made for speed, as vLLM makes them: q/k/v are one matrix (`qkv_proj`) and so are
 gate/up (`gate_up_proj`), so a step makes 4 matmuls per layer instead of 7. `load_weights`
@@ -17,6 +20,7 @@ from torch import nn
 
 from minfer.config import ModelConfig
 from minfer.layers.attention import AttentionCache, AttentionFn, attention_sdpa
+from minfer.models.moe import SparseMoeBlock, stack_expert_weights
 
 
 class RMSNorm(nn.Module):
@@ -66,13 +70,20 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_output_bias)
+        if config.qk_norm:  # Qwen3: each q and k head RMS-normalised before RoPE
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attention_fn: AttentionFn,
                 mask: Optional[torch.Tensor], kv_cache: Optional[AttentionCache], layer: int) -> torch.Tensor:
         batch, seq, _ = x.shape
         heads = self.qkv_proj(x).view(batch, seq, self.num_heads + 2 * self.num_kv_heads, self.head_dim).transpose(1, 2)
-        rotated = apply_rope(heads[:, :self.num_heads + self.num_kv_heads], *rope)  # q and k heads in one go
+        qk = heads[:, :self.num_heads + self.num_kv_heads]
+        if self.qk_norm:
+            qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
+        rotated = apply_rope(qk, *rope)  # q and k heads in one go
         q, k = rotated.split([self.num_heads, self.num_kv_heads], dim=1)
         v = heads[:, self.num_heads + self.num_kv_heads:]
         if kv_cache is None:
@@ -85,11 +96,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: Optional[int] = None) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.intermediate_size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -97,12 +108,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        # a mixture of experts where the config says so (minfer.models.moe), a dense SwiGLU elsewhere
+        self.mlp = SparseMoeBlock(config) if index in config.sparse_layers else MLP(config)
 
 
 class LlamaModel(nn.Module):
@@ -110,7 +122,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -170,6 +182,8 @@ class LlamaModel(nn.Module):
                    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
         groups: dict[str, list] = {}
         params = dict(self.named_parameters())
+        if self.config.sparse_layers:  # one matrix per expert in the checkpoint, stacked in the model
+            weights = stack_expert_weights(weights, self.config.num_experts)
         expected = set(params) - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
         loaded = set()
         for name, tensor in weights.items():
@@ -177,9 +191,9 @@ class LlamaModel(nn.Module):
             if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue  # RoPE tables are computed, a tied head is the embedding
             parts = name.split(".")
-            if len(parts) > 3 and parts[3] in stacked:
-                target, index = stacked[parts[3]]
-                key = ".".join(parts[:3] + [target] + parts[4:])
+            if len(parts) > 3 and parts[-2] in stacked:  # layers.0.mlp.gate_proj.weight, also in mlp.shared_expert
+                target, index = stacked[parts[-2]]
+                key = ".".join(parts[:-2] + [target, parts[-1]])
                 groups.setdefault(key, [None] * (3 if target == "qkv_proj" else 2))[index] = tensor
                 continue
             self._copy(params, name, tensor)

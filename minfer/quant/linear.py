@@ -193,6 +193,8 @@ def quantize_model(model: nn.Module, method: str, group_size: Optional[int] = No
     if method is None:
         raise ValueError(f"quantize_model needs a method: one of {QUANTIZATION_METHODS}")
     check_quantization_args(method, group_size if method != "int8" else None)
+    if model.config.sparse_layers:  # the experts are stacked tensors, not the nn.Linear layers quantized here
+        raise ValueError(f"quantization={method!r} does not support mixture-of-experts models yet (minfer.models.moe)")
     if head not in ("int8", None):
         raise ValueError(f"head must be 'int8' or None, got {head!r}")
     if (method in CALIBRATED_METHODS) != (calibration_token_ids is not None):
