@@ -1,23 +1,34 @@
 #!/usr/bin/env bash
-# The generation benchmark on a CUDA machine that has no model file and no package index.
+# The course on a CUDA machine: every notebook executed on the GPU with the real model, then the random-weight
+# generation benchmark and the Triton kernel tests. One command, within 10 minutes (TOTAL_LIMIT, 540 s).
 #
-#   benchmarks/gpu_check.sh OUT_DIR     # writes OUT_DIR/{env.txt,bench_generate.{json,md,log},kernel_tests.log,bench_kernels.{json,log},bench_compiled.{json,log}}
+#   benchmarks/gpu_check.sh OUT_DIR     # OUT_DIR/{env.txt, summary.md, summary.json, notebooks/*.ipynb, figures/*.png,
+#                                       #          gpu/*.json, bench_generate.*, kernel_tests.log, bench_kernels.*, bench_compiled.*}
 #
-# Needs python with torch (CUDA build) and transformers; minfer is used from this checkout (no install).
-# The real SmolLM2 weights do not travel, so it benchmarks random weights of the same shapes, saved as a
-# Hugging Face checkpoint with a stand-in tokenizer; the prompts are token ids. Speed depends on the
-# shapes only, so the numbers compare with the real model's. Then (on CUDA) the Triton kernel tests without
-# the interpreter (tests/test_kernel_compile.py, tests/test_kernels.py) and their bandwidth benchmark
-# (PEAK_GBPS, default 4800 for an H200), then eager vs compiled decode steps. Under 10 minutes.
-# Overrides (used by the CPU test of this script): PYTHON, DEVICE (cuda), SHAPES (smollm2-135m),
-# BENCH_ARGS (extra arguments for `python -m minfer bench`), TIME_LIMIT (seconds, 180).
+# Needs python with torch (CUDA build), transformers, triton, nbclient and ipykernel; minfer is used from this
+# checkout (no install). docs/gpu.md says how the real model's file and the missing packages reach a device machine.
+# Parts (PARTS, in this order):
+#   notebooks  every chapter (benchmarks/run_notebooks.py, MINFER_IMPL=solutions, NB_TIMEOUT seconds each): the
+#              executed copies and their figures go to OUT_DIR, never over the course notebooks; each chapter's GPU
+#              cell stores its figures in OUT_DIR/gpu/, copied to docs/gpu/ when DEVICE is cuda;
+#   bench      the generation benchmark on random weights of the model's shapes (saved as a Hugging Face checkpoint
+#              with a stand-in tokenizer; speed depends on the shapes only);
+#   kernels    (CUDA) the Triton kernel tests without the interpreter, and their bandwidth share (PEAK_GBPS, 4800);
+#   compiled   (CUDA) eager vs compiled decode steps.
+# Each part's time limit is cut to what is left of TOTAL_LIMIT; a part with under 20 s left is skipped.
+# Overrides (the CPU rehearsal and its test use them): PYTHON, DEVICE (cuda; cpu: a rehearsal, whose GPU cells
+# measure on the CPU with small settings), PARTS, NOTEBOOKS (paths), NB_TIMEOUT (150), TOTAL_LIMIT (540),
+# SHAPES (smollm2-135m), BENCH_ARGS (extra arguments for `python -m minfer bench`), TIME_LIMIT (the bench's, 120).
 set -euo pipefail
 
 OUT=${1:?usage: benchmarks/gpu_check.sh OUT_DIR}
 PYTHON=${PYTHON:-python}
 DEVICE=${DEVICE:-cuda}
 SHAPES=${SHAPES:-smollm2-135m}
-TIME_LIMIT=${TIME_LIMIT:-180}
+TIME_LIMIT=${TIME_LIMIT:-120}
+TOTAL_LIMIT=${TOTAL_LIMIT:-540}
+NB_TIMEOUT=${NB_TIMEOUT:-150}
+PARTS=" ${PARTS:-notebooks bench kernels compiled} "
 read -r -a EXTRA <<< "${BENCH_ARGS:-}"
 
 mkdir -p "$OUT"
@@ -38,6 +49,11 @@ try:
 except ImportError:
     print("triton: not installed")
 print("cuda available:", torch.cuda.is_available(), "| torch.version.cuda:", torch.version.cuda)
+for name in ("nbclient", "ipykernel", "gguf", "fastapi", "openai"):  # the notebooks' needs (docs/gpu.md: carried wheels)
+    try:
+        print(name, getattr(__import__(name), "__version__", "installed"))
+    except ImportError:
+        print(name + ": not installed")
 if device.startswith("cuda"):
     if not torch.cuda.is_available():
         sys.exit("DEVICE=cuda but torch sees no GPU")
@@ -48,25 +64,47 @@ PY
 cat "$OUT/env.txt"
 
 status=0
-timeout "$TIME_LIMIT" "$PYTHON" -m minfer bench --random-weights "$SHAPES" --device "$DEVICE" \
-    --dtypes float32 bfloat16 --batch-sizes 1 16 --max-tokens 64 --prompt-len 64 --repeats 3 --floor-steps 50 \
-    --json "$OUT/bench_generate.json" --markdown "$OUT/bench_generate.md" --no-progress "${EXTRA[@]}" \
-    2>&1 | tee "$OUT/bench_generate.log" || status=$?
-if [ "$status" -ne 0 ]; then
-    echo "gpu_check: the benchmark failed (exit $status); see $OUT/bench_generate.log" >&2
-    exit "$status"
+left() { echo $(( TOTAL_LIMIT - SECONDS )); }
+limit() { local l; l=$(left); echo $(( $1 < l ? $1 : l )); }  # a part's limit, cut to what is left
+part() {  # part NAME: is it asked for, and is there time left for it?
+    [[ "$PARTS" == *" $1 "* ]] || return 1
+    if [ "$(left)" -lt 20 ]; then echo "gpu_check: no time left for $1 (TOTAL_LIMIT=$TOTAL_LIMIT)"; status=1; return 1; fi
+}
+
+if part notebooks; then
+    if [ -n "${NOTEBOOKS:-}" ]; then read -r -a BOOKS <<< "$NOTEBOOKS"; else BOOKS=(notebooks/[0-9]*.ipynb); fi
+    rm -rf "$OUT/gpu" && mkdir -p "$OUT/gpu"
+    rehearse=0; hide=()
+    [[ "$DEVICE" == cuda* ]] || { rehearse=1; hide=(env CUDA_VISIBLE_DEVICES=); }  # a rehearsal runs on the CPU
+    # the budget left after the other parts' share (kernel tests and benchmarks need about 4 minutes)
+    share=$(left); [[ "$PARTS" == " notebooks " ]] || share=$(( share - 240 ))
+    MINFER_IMPL=solutions MINFER_GPU_FIGURES="$OUT/gpu" MINFER_GPU_REHEARSE=$rehearse \
+        "${hide[@]}" timeout "$(( share + 30 ))" "$PYTHON" benchmarks/run_notebooks.py "$OUT" "${BOOKS[@]}" --budget "$NB_TIMEOUT" \
+        --total "$share" 2>&1 | tee "$OUT/notebooks.log" || status=$?
+    if [[ "$DEVICE" == cuda* ]] && compgen -G "$OUT/gpu/*.json" > /dev/null; then
+        mkdir -p docs/gpu && cp "$OUT"/gpu/*.json docs/gpu/  # on the device's copy of the tree; bring them back from OUT
+    fi
 fi
-if [[ "$DEVICE" == cuda* ]]; then
+if part bench; then
+    timeout "$(limit "$TIME_LIMIT")" "$PYTHON" -m minfer bench --random-weights "$SHAPES" --device "$DEVICE" \
+        --dtypes float32 bfloat16 --batch-sizes 1 16 --max-tokens 64 --prompt-len 64 --repeats 3 --floor-steps 50 \
+        --json "$OUT/bench_generate.json" --markdown "$OUT/bench_generate.md" --no-progress "${EXTRA[@]}" \
+        2>&1 | tee "$OUT/bench_generate.log" || status=$?
+fi
+if [[ "$DEVICE" == cuda* ]] && part kernels; then
     # The Triton kernels compiled, never interpreted: every variant for sm_80/sm_90 within its shared memory
     # and registers, each kernel against its reference on this GPU (test_kernel_compile.py runs the int8-KV
     # and quantized-matmul ones, which their own test files interpret), then their share of bandwidth.
-    env -u TRITON_INTERPRET timeout 300 "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_kernel_compile.py \
+    env -u TRITON_INTERPRET timeout "$(limit 150)" "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_kernel_compile.py \
         tests/test_kernels.py 2>&1 | tee "$OUT/kernel_tests.log" || status=$?
-    timeout 60 "$PYTHON" benchmarks/bench_kernels.py --peak-gbps "${PEAK_GBPS:-4800}" --json "$OUT/bench_kernels.json" \
+    timeout "$(limit 60)" "$PYTHON" benchmarks/bench_kernels.py --peak-gbps "${PEAK_GBPS:-4800}" --json "$OUT/bench_kernels.json" \
         2>&1 | tee "$OUT/bench_kernels.log" || status=$?
+fi
+if [[ "$DEVICE" == cuda* ]] && part compiled; then
     # The engine's decode step eager vs through torch.compile (enforce_eager), on the paged pool and kernels.
-    timeout 300 "$PYTHON" benchmarks/bench_compiled.py --random-weights "$SHAPES" --device "$DEVICE" \
+    timeout "$(limit 120)" "$PYTHON" benchmarks/bench_compiled.py --random-weights "$SHAPES" --device "$DEVICE" \
         --dtypes bfloat16 --batch-sizes 1 16 --json "$OUT/bench_compiled.json" 2>&1 | tee "$OUT/bench_compiled.log" || status=$?
 fi
-echo "gpu_check: results in $OUT (exit $status)"
+[ -f "$OUT/summary.md" ] && cat "$OUT/summary.md"
+echo "gpu_check: results in $OUT after ${SECONDS} s (exit $status)"
 exit "$status"

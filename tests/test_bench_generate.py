@@ -273,7 +273,7 @@ def test_cli_bad_model_is_an_error_message(capsys):
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
 def test_gpu_check_script_runs_on_cpu_with_tiny_shapes(tmp_path):
-    env = dict(os.environ, PYTHON=sys.executable, DEVICE="cpu", SHAPES="tiny",
+    env = dict(os.environ, PYTHON=sys.executable, DEVICE="cpu", SHAPES="tiny", PARTS="bench",
                BENCH_ARGS="--max-tokens 3 --repeats 1 --floor-steps 2 --batch-sizes 1 2 --dtypes float32")
     proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", str(tmp_path / "out")], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
