@@ -61,7 +61,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from triton.runtime.jit import native_specialize_impl  # noqa: E402
 
 from minfer.formats.weights import pack_int4, quantize_int4_groupwise, quantize_int8_per_channel  # noqa: E402
-from minfer.kernels import paged_cache, paged_decode_attention, paged_prefill_attention, quant_matmul  # noqa: E402
+from minfer.kernels import fused_moe, paged_cache, paged_decode_attention, paged_prefill_attention, quant_matmul  # noqa: E402
 
 # Triton 3.9 warns once per process that its fp-fusion default will change; the kernels compile
 # with the current default, as they would on a GPU.
@@ -73,12 +73,17 @@ MAX_REGISTERS = 255  # per thread, on every NVIDIA GPU since Kepler
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KV_FORMATS = ("auto", "int8")  # the pools in the model's dtype, or int8 with float32 scales
+# fp8 (e4m3) pools: compiled at BASE for every dtype and head_dim, and for sm_90 only: Triton refuses
+# e4m3 (its fp8e4nv) below sm_89 ("type fp8e4nv not supported in this architecture"), so an A100
+# serves kv_cache_dtype="fp8" on the gather path (minfer/engine/model_runner.py)
+FP8_ARCHS = (90,)
 GROUPS = {1: (9, 9), 3: (9, 3), 9: (9, 1)}  # GQA group -> (num_heads, num_kv_heads); 3 is SmolLM2-135M
 BLOCK_SIZES = (8, 16, 32)
 HEAD_DIMS = (64, 128)  # SmolLM2's 64; 128 as in Llama-style 7B models
 INT4_GROUP_SIZES = (32, 64, 128)
 MATMUL_ROWS = (1, 7)  # M: one decode row (specialized as a constant 1 at launch) and a general batch
 MATMUL_SHAPE = (576, 1536)  # N, K: a SmolLM2 down projection; K divides every int4 group size
+MOE_SHAPE = (8, 2, 576, 384)  # experts, top-k, hidden, expert intermediate size of the fused MoE launches
 BASE = dict(group=3, block_size=16)  # where the other axes are crossed in the default (not --full) set
 
 
@@ -109,12 +114,16 @@ def variants(full: bool = False) -> list[Variant]:
         if full or off_base == 0 or (off_base == 1 and head_dim == HEAD_DIMS[0] and dtype in ("bf16", "fp32")):
             paged.append((("dtype", dtype), ("kv", kv), ("group", group), ("block_size", block_size),
                           ("head_dim", head_dim)))
+    paged += [(("dtype", dtype), ("kv", "fp8"), ("group", BASE["group"]), ("block_size", BASE["block_size"]),
+               ("head_dim", head_dim)) for dtype in DTYPES for head_dim in HEAD_DIMS]
     out = [Variant(name, axes) for name in ("paged_prefill_attention", "paged_decode_attention", "write_kv")
            for axes in paged]
     out += [Variant("int8_matmul", (("dtype", dtype), ("rows", m))) for dtype in DTYPES for m in MATMUL_ROWS]
     out += [Variant("int4_matmul", (("dtype", dtype), ("rows", m), ("group_size", g)))
             for dtype in DTYPES for m in MATMUL_ROWS for g in INT4_GROUP_SIZES
             if full or m == MATMUL_ROWS[-1] or g == INT4_GROUP_SIZES[1]]
+    # the fused MoE's tokens only size its grid (its pairs come sorted), so dtype is its one axis
+    out += [Variant(name, (("dtype", dtype),)) for name in ("fused_moe_gate_up", "fused_moe_down") for dtype in DTYPES]
     return out
 
 
@@ -150,8 +159,9 @@ def _paged_inputs(dtype: str, kv: str, group: int, block_size: int, head_dim: in
     num_heads, num_kv_heads = GROUPS[group]
     shape = (6, block_size, num_kv_heads, head_dim)
     torch_dtype = DTYPES[dtype]
-    pool_dtype = torch.int8 if kv == "int8" else torch_dtype
-    scales = dict(k_scales=torch.ones(shape[:3]), v_scales=torch.ones(shape[:3])) if kv == "int8" else {}
+    pool_dtype = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}.get(kv, torch_dtype)
+    scale_shape = {"int8": shape[:3], "fp8": shape[2:3]}.get(kv)  # per (token, KV head), or per KV head
+    scales = dict(k_scales=torch.ones(scale_shape), v_scales=torch.ones(scale_shape)) if scale_shape else {}
     return dict(q=torch.zeros(5, num_heads, head_dim, dtype=torch_dtype), k_pool=torch.zeros(shape, dtype=pool_dtype),
                 v_pool=torch.zeros(shape, dtype=pool_dtype), scales=scales,
                 block_tables=torch.tensor([[0, 1, 2], [3, 4, 0]], dtype=torch.int32),  # padded with block 0, as the engine pads
@@ -178,6 +188,19 @@ def record_launch(variant: Variant):
             slots = torch.arange(5, dtype=torch.int32)
             call = lambda: module.write_kv(x["k_pool"], x["v_pool"], x["kv_new"], x["kv_new"], slots,  # noqa: E731
                                            x["scales"].get("k_scales"), x["scales"].get("v_scales"))
+    elif variant.kernel in ("fused_moe_gate_up", "fused_moe_down"):
+        experts, top_k, hidden, inter = MOE_SHAPE
+        module, dtype = fused_moe, DTYPES[p["dtype"]]
+        tokens = 7
+        pairs, blocks = module.align_by_expert(torch.arange(tokens * top_k).view(-1, top_k) % experts, experts, 16)
+        if variant.kernel == "fused_moe_gate_up":
+            name, x, gate_up = "_moe_gate_up_kernel", torch.zeros(tokens, hidden, dtype=dtype), torch.zeros(
+                experts, 2 * inter, hidden, dtype=dtype)
+            call = lambda: module.moe_gate_up(x, gate_up, pairs, blocks, top_k)  # noqa: E731
+        else:
+            name, h, down = "_moe_down_kernel", torch.zeros(tokens * top_k, inter, dtype=dtype), torch.zeros(
+                experts, hidden, inter, dtype=dtype)
+            call = lambda: module.moe_down(h, down, pairs, blocks, torch.ones(tokens * top_k))  # noqa: E731
     else:
         n, k = MATMUL_SHAPE
         x = torch.zeros(p["rows"], k, dtype=DTYPES[p["dtype"]])
@@ -292,7 +315,8 @@ def _compile_job(job: tuple) -> dict:
 
 def compile_all(archs=tuple(ARCHS), jobs: int = 1, full: bool = False) -> list[dict]:
     """Every variant for every architecture, in ``jobs`` processes."""
-    work = [(variant, arch) for variant in variants(full) for arch in archs]
+    work = [(variant, arch) for variant in variants(full) for arch in archs
+            if variant.params.get("kv") != "fp8" or arch in FP8_ARCHS]
     if jobs <= 1:
         return [_compile_job(job) for job in work]
     with ProcessPoolExecutor(jobs) as pool:
@@ -330,7 +354,7 @@ def markdown(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header[:6]) + "---:|" * (3 * len(archs))]
     for (kernel, *axes), entry in merged.items():
         p = dict(axes)
-        weights = {"int8_matmul": "int8", "int4_matmul": "int4"}
+        weights = {"int8_matmul": "int8", "int4_matmul": "int4", "fused_moe_gate_up": "experts", "fused_moe_down": "experts"}
         covers = "; ".join(f"{MERGED_AXES[axis]} {','.join(map(str, sorted(values)))}"
                            for axis, values in entry["values"].items())
         cells = [kernel, p["dtype"], p.get("kv", weights.get(kernel)), str(p.get("head_dim", "-")), covers,

@@ -6,7 +6,8 @@
 The expert weights lie stacked, as transformers (v5) and vLLM keep them: gate_up [E, 2F, D]
 (gate rows first, then up rows) and down [E, D, F]. One function, three implementations:
 
-    "reference"  a loop over the experts, each taking the tokens routed to it (differentiable)
+    "reference"  a loop over the experts, each taking the tokens routed to it (differentiable;
+                 minfer.kernels.fused_moe.fused_moe_reference)
     "grouped"    the token-expert pairs sorted by expert once, each expert's run one matmul;
                  at small batches the k chosen experts' weights gathered into one batched matmul
     "triton"     minfer.kernels.fused_moe: the sorted pairs as one grouped matmul per projection
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from minfer.kernels.fused_moe import fused_moe, fused_moe_reference
 
 MOE_IMPLS = ("auto", "reference", "grouped", "triton")
 # below this many token-expert pairs per expert, gathering each pair's weights into one batched
@@ -54,8 +57,6 @@ def moe_mlp(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, ga
         return moe_mlp_reference(x, weights, expert_ids, gate_up, down)
     if impl == "grouped":
         return moe_mlp_grouped(x, weights, expert_ids, gate_up, down)
-    from minfer.kernels.fused_moe import fused_moe  # Triton is imported only when asked for
-
     return fused_moe(x, weights, expert_ids, gate_up, down)
 
 
@@ -81,16 +82,9 @@ def swiglu_expert(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) ->
     return F.linear(F.silu(gate) * up, down)
 
 
-def moe_mlp_reference(x, weights, expert_ids, gate_up, down) -> torch.Tensor:
-    """Plain PyTorch: for each expert, the (token, slot) pairs routed to it, their outputs added in."""
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e in range(gate_up.shape[0]):
-        tokens, slots = torch.where(expert_ids == e)
-        if tokens.numel() == 0:
-            continue
-        y = swiglu_expert(x[tokens], gate_up[e], down[e])
-        out = out.index_add(0, tokens, y.float() * weights[tokens, slots, None].float())  # out of place: autograd
-    return out.to(x.dtype)
+# Plain PyTorch, differentiable: for each expert, the (token, slot) pairs routed to it, their outputs
+# added in. It lives beside the Triton kernels it is the reference of.
+moe_mlp_reference = fused_moe_reference
 
 
 def moe_mlp_grouped(x, weights, expert_ids, gate_up, down) -> torch.Tensor:
