@@ -1,4 +1,4 @@
-"""Triton kernels for the paged KV cache, each beside the plain PyTorch it must equal.
+"""Triton kernels for the paged KV cache (and the MoE MLP), each beside the plain PyTorch it must equal.
 
 Read them in order, like lessons:
 
@@ -7,6 +7,7 @@ Read them in order, like lessons:
     paged_decode_attention.py   one new token per sequence, online softmax over pages
     paged_prefill_attention.py  a chunk of new tokens per sequence, flash-attention tiles
     quant_matmul.py             int8 and int4 weights, dequantized inside the matmul
+    fused_moe.py                a mixture-of-experts MLP: token-expert pairs sorted by expert, two grouped matmuls
 
 Import from the modules themselves (``from minfer.kernels.paged_decode_attention import
 paged_decode_attention``); this package re-exports nothing, so that a module and the function it
