@@ -107,11 +107,11 @@ class TensorParallelWorkers:
         group_size = resolve_group_size(loaded.config, config.quantization_group_size) if config.quantization == "int4" else None
         self.device = torch.device("cuda", 0) if config.device.type == "cuda" else config.device
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        port, context = free_port(), mp.get_context("spawn")
+        port, context = free_port(), mp.get_context("spawn")  # a fresh interpreter: no threads or CUDA state forked
         self.processes = []
         for rank in range(1, n):  # they load while rank 0 builds its own shard
             args = (rank, n, port, backend, shard_config, shard_weights(loaded.weights, rank, n), config.dtype,
-                    config.quantization, group_size, attention, os.getpid())
+                    config.quantization, group_size, attention, os.getpid(), torch.get_num_threads())
             process = context.Process(target=worker_main, args=args, daemon=True, name=f"minfer-tp-rank{rank}")
             process.start()
             self.processes.append(process)
@@ -172,8 +172,9 @@ class ParallelModelRunner(ModelRunner):
 
 def worker_main(rank: int, world_size: int, port: int, backend: str, config: ModelConfig, weights: dict,
                 dtype: torch.dtype, quantization: Optional[str], group_size: Optional[int], attention: str,
-                parent_pid: int) -> None:
+                parent_pid: int, num_threads: int) -> None:
     """Ranks 1..N-1: build the shard, then run every step rank 0 sends until it sends None."""
+    torch.set_num_threads(num_threads)  # as many as rank 0 uses
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
@@ -200,7 +201,9 @@ def worker_main(rank: int, world_size: int, port: int, backend: str, config: Mod
             paged = PagedStep(pool, slices, torch.tensor(positions[:num_tokens]), use_kernels, bucket_widths)
             model(torch.tensor([input_ids], device=device), torch.tensor([positions], device=device), paged,
                   logits_indices=no_logits)
-    dist.destroy_process_group()
+    # Leave at once: no destroy_process_group (it would wait on rank 0, which waits for this process to
+    # end) and no interpreter teardown (seconds of freeing torch's state on a busy machine).
+    os._exit(0)
 
 
 def _exit_with_parent(parent_pid: int) -> None:

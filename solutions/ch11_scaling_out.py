@@ -1,0 +1,78 @@
+"""Chapter 11, worked: tensor parallelism on tensor shards, the all-reduce's count, bytes and time,
+and the memory each device needs. (These are the formulas `benchmarks/bench_parallel.py` uses too.)"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def column_parallel_linear(x: torch.Tensor, weight_shards: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A linear split by output features: device r holds weight_shards[r] [out / N, in] and the whole x [..., in].
+
+    Returns each device's output, x @ weight_shards[r].T [..., out / N]: a slice of the full output's
+    features (concatenated in order along the last dimension, they are x @ W.T). No communication.
+    """
+    return [x @ w.T for w in weight_shards]
+
+
+def row_parallel_linear(x_shards: list[torch.Tensor], weight_shards: list[torch.Tensor]) -> torch.Tensor:
+    """A linear split by input features: device r holds x_shards[r] [..., in / N] and weight_shards[r] [out, in / N].
+
+    Each device computes a partial sum x_shards[r] @ weight_shards[r].T [..., out]; the all-reduce
+    adds them up. Returns that sum (what every device holds after the all-reduce), equal to x @ W.T.
+    Raises ValueError when the two lists differ in length.
+    """
+    if len(x_shards) != len(weight_shards):
+        raise ValueError(f"{len(x_shards)} input shards for {len(weight_shards)} weight shards: one of each per device")
+    return sum(x @ w.T for x, w in zip(x_shards, weight_shards))
+
+
+def all_reduce_per_token(num_layers: int, hidden_size: int, n: int, bytes_per_value: int) -> tuple[int, int, float]:
+    """What tensor parallelism over n devices communicates for each token of a forward pass.
+
+    Returns (count, payload_bytes, ring_bytes_per_device):
+    - count: all-reduces per forward pass, two per layer (after o_proj and after down_proj); 0 when n == 1;
+    - payload_bytes: the bytes of one token's rows in all of them: count x hidden_size x bytes_per_value;
+    - ring_bytes_per_device: what each device sends for that token in a ring all-reduce, which moves
+      2 (n - 1) / n of the payload out of every device (reduce-scatter, then all-gather). 0.0 when n == 1.
+    Raises ValueError for n < 1.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    count = 2 * num_layers if n > 1 else 0
+    payload = count * hidden_size * bytes_per_value
+    return count, payload, 2 * (n - 1) / n * payload
+
+
+def all_reduce_seconds(payload_bytes: float, n: int, link_bytes_per_s: float, latency_s: float) -> float:
+    """Time of one ring all-reduce of payload_bytes over n devices: a fixed latency plus 2 (n - 1) / n of
+    the payload over each device's link bandwidth (bytes per second, one direction). 0.0 when n == 1."""
+    if n == 1:
+        return 0.0
+    return latency_s + 2 * (n - 1) / n * payload_bytes / link_bytes_per_s
+
+
+def weight_bytes_per_device(config, n: int, bytes_per_param: float, vocab_parallel: bool = True) -> float:
+    """Bytes of weights on each of n tensor-parallel devices, for a Llama-shaped `minfer.config.ModelConfig`.
+
+    Split n ways: q/k/v/o (with q/k/v biases if config.attention_bias) and gate/up/down of every
+    layer. Replicated on every device: the RMSNorm weights (two per layer, one final, hidden_size
+    each). The embedding (vocab_size x hidden_size) and, unless config.tie_word_embeddings, an
+    output head of the same size: split n ways if vocab_parallel, else replicated (minfer's choice).
+    """
+    h, hd, layers = config.hidden_size, config.head_dim, config.num_layers
+    q, kv = config.num_heads * hd, config.num_kv_heads * hd
+    attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if config.attention_bias else 0)
+    split = layers * (attention + 3 * h * config.intermediate_size)
+    vocab = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
+    replicated = (2 * layers + 1) * h
+    return (split / n + (vocab / n if vocab_parallel else vocab) + replicated) * bytes_per_param
+
+
+def kv_cache_bytes_per_device(config, n: int, tokens: int, bytes_per_value: float) -> float:
+    """Bytes of KV cache on each of n devices for `tokens` tokens (all sequences together): K and V, every
+    layer, the device's KV heads. With more devices than KV heads a head is replicated, as vLLM does:
+    each device then keeps one (ceil(num_kv_heads / n) in general)."""
+    heads = math.ceil(config.num_kv_heads / n)
+    return 2 * config.num_layers * heads * config.head_dim * tokens * bytes_per_value
