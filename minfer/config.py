@@ -116,6 +116,9 @@ class EngineConfig:
 
     tensor_parallel_size: split every layer over this many processes (vLLM's name; `minfer.engine.parallel`).
 
+    carve_experts, carve_top_k: minfer's own (not vLLM's), both or neither: every dense MLP split into
+    carve_experts experts of equal size, carve_top_k of them run per token (`minfer.moe.carve`, chapter 10).
+
     bucket_step_shapes: pad every step's token count up to a fixed size (`minfer.engine.buckets`),
     so that the matmuls meet a bounded set of shapes: no kernel compiles in a long-running decode
     loop, and memory that stays flat (minfer's own; False runs every step at its exact size).
@@ -145,6 +148,8 @@ class EngineConfig:
     enforce_eager: Optional[bool] = None
     bucket_step_shapes: bool = True
     tensor_parallel_size: int = 1
+    carve_experts: Optional[int] = None
+    carve_top_k: Optional[int] = None
 
     @classmethod
     def from_kwargs(cls, caller: str, **kwargs) -> "EngineConfig":
@@ -175,6 +180,10 @@ class EngineConfig:
             raise ValueError(f"enforce_eager must be True, False or None (choose per device), got {self.enforce_eager!r}")
         check_quantization_args(self.quantization, self.quantization_group_size)
         self._check_speculative_args()
+        check_carve_args(self.carve_experts, self.carve_top_k)
+        if self.carve_experts is not None and (self.quantization is not None or self.tensor_parallel_size > 1):
+            raise ValueError("carve_experts runs on an unquantized model in one process: leave quantization=None and "
+                             f"tensor_parallel_size=1, got {self.quantization!r} and {self.tensor_parallel_size!r}")
 
     def _check_speculative_args(self) -> None:
         model, k = self.speculative_model, self.num_speculative_tokens
@@ -251,6 +260,23 @@ def resolve_dtype(dtype: Union[str, torch.dtype], device: torch.device) -> torch
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}: use 'auto', 'float32', 'bfloat16' or 'float16'")
     return DTYPES[dtype]
+
+
+def check_carve_args(num_experts: Optional[int], top_k: Optional[int], intermediate_size: Optional[int] = None) -> None:
+    """Experts carved from a dense MLP (`minfer.moe.carve`): both or neither; E >= 2 dividing the
+    MLP's intermediate size (when known), 1 <= k <= E."""
+    if (num_experts is None) != (top_k is None):
+        raise ValueError("carve_experts and carve_top_k go together: give both (e.g. carve_experts=16, carve_top_k=4) "
+                         f"or neither, got {num_experts!r} and {top_k!r}")
+    if num_experts is None:
+        return
+    if not _is_positive_int(num_experts) or num_experts < 2:
+        raise ValueError(f"carve_experts must be an integer >= 2, got {num_experts!r}")
+    if intermediate_size is not None and intermediate_size % num_experts:
+        raise ValueError(f"carve_experts must divide the MLP's intermediate size {intermediate_size} "
+                         f"(every expert gets the same number of neurons), got {num_experts}")
+    if not _is_positive_int(top_k) or top_k > num_experts:
+        raise ValueError(f"carve_top_k must be an integer in [1, carve_experts={num_experts}], got {top_k!r}")
 
 
 def check_quantization_args(quantization: Optional[str], group_size: Optional[int]) -> None:

@@ -22,6 +22,7 @@ from minfer.layers.attention import AttentionFn, get_attention_fn
 from minfer.layers.linear import pack_linears
 from minfer.models.llama import LlamaModel
 from minfer.models.loader import DEFAULT_MODEL, load_model
+from minfer.moe.carve import carve_model
 from minfer.outputs import RequestMetrics, RequestOutput
 from minfer.quant.awq import calibration_token_ids
 from minfer.quant.checkpoint import build_quantized_model
@@ -83,6 +84,8 @@ class LLM:
                 raise ValueError(f"{loaded.path} is a {method!r} checkpoint (group size {group_size}): pass "
                                  f"quantization=None or {method!r} and no other group size, not "
                                  f"{config.quantization!r} with {config.quantization_group_size!r}")
+            if config.carve_experts is not None:
+                raise ValueError(f"{loaded.path} is a quantized checkpoint: carve_experts needs an unquantized model")
             self.model = build_quantized_model(loaded, config.dtype, config.device)
         else:
             self.model = LlamaModel.from_weights(loaded.config, loaded.weights, config.dtype, config.device)
@@ -92,6 +95,8 @@ class LLM:
             calibration = calibration_token_ids(self.tokenizer) if config.quantization in CALIBRATED_METHODS else None
             quantize_model(self.model, config.quantization, config.quantization_group_size,
                            calibration_token_ids=calibration)
+        if config.carve_experts is not None:  # the dense MLPs split into experts (minfer.moe.carve)
+            carve_model(self.model, calibration_token_ids(self.tokenizer), config.carve_experts, config.carve_top_k)
         if config.device.type == "cpu":
             pack_linears(self.model)  # oneDNN's layout, once: faster matmuls (minfer.layers.linear)
         self.set_attention(attention)
