@@ -24,7 +24,7 @@ from minfer.layers.moe import (distinct_experts, moe_mlp, moe_mlp_grouped, moe_m
                                tokens_per_expert)
 
 # (tokens, hidden, intermediate, experts, top-k): one decode row; sizes that are not multiples of
-# the tiles (masks); more experts than pairs (unused experts, the grouped path's gather branch)
+# the tiles (masks); more experts than pairs (most of them unused)
 SHAPES = [(1, 32, 48, 8, 2), (13, 40, 24, 6, 3), (37, 64, 80, 16, 4), (5, 32, 32, 4, 1), (3, 16, 16, 32, 2)]
 # of the largest output; float32 exact on a GPU too (input_precision="ieee")
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}

@@ -100,6 +100,18 @@ def test_engine_greedy_matches_transformers_and_batched_equals_solo(checkpoint, 
         assert out.outputs[0].token_ids == alone.outputs[0].token_ids == expected
 
 
+def test_speculative_decoding_runs_moe_models(checkpoint):
+    """The verify pass is an ordinary forward over 1 + k tokens: greedy output is plain greedy output."""
+    folder, _ = checkpoint("qwen2_moe-8x2")
+    prompts = [{"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6]}, {"prompt_token_ids": [9, 10, 11, 9, 10]}]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(folder, dtype="float32", num_gpu_blocks_override=64).generate(prompts, params, use_tqdm=False)
+    spec = LLM(folder, dtype="float32", num_gpu_blocks_override=64, speculative_model="[ngram]", num_speculative_tokens=3)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in plain]
+    assert spec.engine.spec_stats.num_draft_tokens > 0
+
+
 def test_engine_counts_tokens_per_expert(checkpoint):
     folder, _ = checkpoint("mixtral-8x1")
     llm = LLM(folder, dtype="float32", num_gpu_blocks_override=64, block_size=8)

@@ -8,8 +8,7 @@ The expert weights lie stacked, as transformers (v5) and vLLM keep them: gate_up
 
     "reference"  a loop over the experts, each taking the tokens routed to it (differentiable;
                  minfer.kernels.fused_moe.fused_moe_reference)
-    "grouped"    the token-expert pairs sorted by expert once, each expert's run one matmul;
-                 at small batches the k chosen experts' weights gathered into one batched matmul
+    "grouped"    the token-expert pairs sorted by expert once, each used expert's run one SwiGLU
     "triton"     minfer.kernels.fused_moe: the sorted pairs as one grouped matmul per projection
 
 "auto" runs "triton" on CUDA and "grouped" elsewhere.
@@ -22,9 +21,6 @@ import torch.nn.functional as F
 from minfer.kernels.fused_moe import fused_moe, fused_moe_reference
 
 MOE_IMPLS = ("auto", "reference", "grouped", "triton")
-# below this many token-expert pairs per expert, gathering each pair's weights into one batched
-# matmul beats a matmul per expert (fewer, larger calls; the extra bytes are few at such sizes)
-GATHER_PAIRS_PER_EXPERT = 0.5
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,27 +84,25 @@ moe_mlp_reference = fused_moe_reference
 
 
 def moe_mlp_grouped(x, weights, expert_ids, gate_up, down) -> torch.Tensor:
-    """The pairs sorted by expert once; each expert's contiguous run is one matmul (no per-expert search).
-
-    With fewer pairs than experts (decode at small batches), each pair's expert weights are gathered
-    instead and all pairs go through two batched matmuls: that reads only the experts chosen.
-    """
+    """The pairs sorted by expert once; each used expert's contiguous run is one SwiGLU, with no
+    per-expert search (the reference's `where` per expert). The fastest CPU path measured: gathering
+    each pair's expert matrices for one batched matmul was 4-40x slower (docs/benchmarks.md)."""
     num_tokens, top_k = expert_ids.shape
-    num_experts = gate_up.shape[0]
     flat_ids = expert_ids.reshape(-1)
-    if flat_ids.numel() <= GATHER_PAIRS_PER_EXPERT * num_experts:
-        h = x.repeat_interleave(top_k, dim=0).unsqueeze(-1)                       # [T*k, D, 1]
-        gate, up = torch.bmm(gate_up[flat_ids], h).squeeze(-1).chunk(2, dim=-1)  # [T*k, F] each
-        y = torch.bmm(down[flat_ids], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
-    else:
-        order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
-        runs = x[order // top_k].split(counts)
-        y_sorted = torch.cat([swiglu_expert(h, gate_up[e], down[e]) for e, h in enumerate(runs) if counts[e]])
-        y = torch.empty_like(y_sorted)
-        y[order] = y_sorted
-    y = y.view(num_tokens, top_k, -1).float() * weights.unsqueeze(-1).float()
-    return y.sum(dim=1).to(x.dtype)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    runs = x[order // top_k].split(counts)
+    y_sorted = torch.cat([swiglu_expert(h, gate_up[e], down[e]) for e, h in enumerate(runs) if counts[e]])
+    y = torch.empty_like(y_sorted)
+    y[order] = y_sorted  # back to pair order: token t's k outputs side by side
+    return _combine(y, weights)
+
+
+def _combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y [T * k, D] in pair order -> sum_j weights[t, j] * y[t * k + j], in float32, back in y's dtype."""
+    num_tokens, top_k = weights.shape
+    mixed = y.view(num_tokens, top_k, -1).float() * weights.unsqueeze(-1).float()
+    return mixed.sum(dim=1).to(y.dtype)
 
 
 def tokens_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
