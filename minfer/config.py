@@ -21,6 +21,9 @@ QUANTIZATION_METHODS = ("int8", "int4", "awq", "gptq")
 INT4_METHODS = ("int4", "awq", "gptq")
 MAX_SPECULATIVE_TOKENS = 16
 CPU_KV_CACHE_BYTES = 2**30  # the KV pool on CPU when no size is given
+# ModelConfig.architecture -> the transformers class named in its config.json (to_hf_dict)
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -67,9 +70,9 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict:
         """The same shape as a transformers `config.json` (used to build the reference model)."""
-        model_type = "qwen2" if self.architecture == "qwen2" else "llama"
+        model_type = self.architecture if self.architecture in HF_CLASSES else "llama"
         return {
-            "architectures": ["Qwen2ForCausalLM" if model_type == "qwen2" else "LlamaForCausalLM"],
+            "architectures": [HF_CLASSES[model_type]],
             "model_type": model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -85,7 +88,25 @@ class ModelConfig:
             "attention_bias": self.attention_bias,
             "hidden_act": "silu",
             "torch_dtype": "float32",
+            **self._hf_moe_fields(model_type),
         }
+
+    def _hf_moe_fields(self, model_type: str) -> dict:
+        """The experts in transformers' names (the inverse of minfer.models.loader.moe_fields)."""
+        dense = [i for i in range(self.num_layers) if i not in self.sparse_layers]
+        if model_type == "mixtral":
+            if dense:
+                raise ValueError(f"a Mixtral config has no dense layers, got dense layers {dense}")
+            return {"num_local_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok}
+        if model_type not in ("qwen2_moe", "qwen3_moe"):
+            return {}
+        fields = {"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                  "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
+                  "decoder_sparse_step": 1, "mlp_only_layers": dense}
+        if model_type == "qwen2_moe":
+            fields.update(shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+                          qkv_bias=self.attention_bias)
+        return fields
 
 
 @dataclass

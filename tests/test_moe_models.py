@@ -11,7 +11,7 @@ import torch
 from minfer import LLM, SamplingParams
 from minfer.layers.moe import distinct_experts, tokens_per_expert
 from minfer.models.llama import LlamaModel
-from minfer.models.loader import hf_config_to_model_config, load_model
+from minfer.models.loader import hf_config_to_model_config, load_model, save_hf_checkpoint
 from minfer.models.moe import moe_blocks
 from minfer.testing import tiny_moe_checkpoint, word_tokenizer
 
@@ -123,6 +123,20 @@ def test_engine_counts_tokens_per_expert(checkpoint):
     assert stats.expert_tokens.sum(dim=1).tolist() == [4 + 2, 4 + 2]  # prompt, then 2 decodes (the 3rd is sampled from them)
     assert stats.step_distinct_experts == [1, 1]
     assert 1 <= stats.mean_distinct_experts <= 8
+
+
+@pytest.mark.parametrize("name", ["mixtral-4x2", "qwen2_moe-6x3-step2", "qwen3_moe-16x4-dense1", "qwen3"])
+def test_saved_checkpoint_loads_in_transformers(checkpoint, tmp_path, name):
+    """ModelConfig.to_hf_dict writes the experts back in transformers' names: the saved copy is the same model."""
+    from transformers import AutoModelForCausalLM
+
+    folder, reference = checkpoint(name)
+    save_hf_checkpoint(load_model(folder), str(tmp_path))
+    again = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    assert type(again) is type(reference)
+    ids = token_batch(batch=1)
+    with torch.no_grad():
+        assert (again(ids).logits - reference(ids).logits).abs().max().item() <= 1e-5
 
 
 def test_unsupported_variants_say_what_is_missing(checkpoint):
