@@ -26,7 +26,7 @@ from minfer.bench.common import write_docs_section
 DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"  # this checkout's docs page
 INTRO = ("Weight-only int8 (per output channel) and int4 (groups of 32/64/128, scale and zero point; 'awq': the same "
          "int4 after activation-aware scales and clipping computed at load time; 'gptq': the same int4 with GPTQ's "
-         "codes, after AWQ's scales and in activation order, `minfer/quant/gptq.py`), and the int8 KV cache, against "
+         "codes, after AWQ's scales and in activation order, `minfer/quant/gptq.py`), and the int8 and fp8 (e4m3) KV caches, against "
          "the unquantized model on the fixed evaluation set of `minfer/evaluate.py`, with bytes and decode speed, "
          "all in one process. How each number is made: `minfer/bench/quant.py`.")
 

@@ -73,6 +73,10 @@ MAX_REGISTERS = 255  # per thread, on every NVIDIA GPU since Kepler
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KV_FORMATS = ("auto", "int8")  # the pools in the model's dtype, or int8 with float32 scales
+# fp8 (e4m3) pools: compiled at BASE for every dtype and head_dim, and for sm_90 only: Triton refuses
+# e4m3 (its fp8e4nv) below sm_89 ("type fp8e4nv not supported in this architecture"), so an A100
+# serves kv_cache_dtype="fp8" on the gather path (minfer/engine/model_runner.py)
+FP8_ARCHS = (90,)
 GROUPS = {1: (9, 9), 3: (9, 3), 9: (9, 1)}  # GQA group -> (num_heads, num_kv_heads); 3 is SmolLM2-135M
 BLOCK_SIZES = (8, 16, 32)
 HEAD_DIMS = (64, 128)  # SmolLM2's 64; 128 as in Llama-style 7B models
@@ -110,6 +114,8 @@ def variants(full: bool = False) -> list[Variant]:
         if full or off_base == 0 or (off_base == 1 and head_dim == HEAD_DIMS[0] and dtype in ("bf16", "fp32")):
             paged.append((("dtype", dtype), ("kv", kv), ("group", group), ("block_size", block_size),
                           ("head_dim", head_dim)))
+    paged += [(("dtype", dtype), ("kv", "fp8"), ("group", BASE["group"]), ("block_size", BASE["block_size"]),
+               ("head_dim", head_dim)) for dtype in DTYPES for head_dim in HEAD_DIMS]
     out = [Variant(name, axes) for name in ("paged_prefill_attention", "paged_decode_attention", "write_kv")
            for axes in paged]
     out += [Variant("int8_matmul", (("dtype", dtype), ("rows", m))) for dtype in DTYPES for m in MATMUL_ROWS]
@@ -153,8 +159,9 @@ def _paged_inputs(dtype: str, kv: str, group: int, block_size: int, head_dim: in
     num_heads, num_kv_heads = GROUPS[group]
     shape = (6, block_size, num_kv_heads, head_dim)
     torch_dtype = DTYPES[dtype]
-    pool_dtype = torch.int8 if kv == "int8" else torch_dtype
-    scales = dict(k_scales=torch.ones(shape[:3]), v_scales=torch.ones(shape[:3])) if kv == "int8" else {}
+    pool_dtype = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}.get(kv, torch_dtype)
+    scale_shape = {"int8": shape[:3], "fp8": shape[2:3]}.get(kv)  # per (token, KV head), or per KV head
+    scales = dict(k_scales=torch.ones(scale_shape), v_scales=torch.ones(scale_shape)) if scale_shape else {}
     return dict(q=torch.zeros(5, num_heads, head_dim, dtype=torch_dtype), k_pool=torch.zeros(shape, dtype=pool_dtype),
                 v_pool=torch.zeros(shape, dtype=pool_dtype), scales=scales,
                 block_tables=torch.tensor([[0, 1, 2], [3, 4, 0]], dtype=torch.int32),  # padded with block 0, as the engine pads
@@ -308,7 +315,8 @@ def _compile_job(job: tuple) -> dict:
 
 def compile_all(archs=tuple(ARCHS), jobs: int = 1, full: bool = False) -> list[dict]:
     """Every variant for every architecture, in ``jobs`` processes."""
-    work = [(variant, arch) for variant in variants(full) for arch in archs]
+    work = [(variant, arch) for variant in variants(full) for arch in archs
+            if variant.params.get("kv") != "fp8" or arch in FP8_ARCHS]
     if jobs <= 1:
         return [_compile_job(job) for job in work]
     with ProcessPoolExecutor(jobs) as pool:

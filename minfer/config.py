@@ -10,12 +10,11 @@ from typing import Any, Optional, Union
 
 import torch
 
-from minfer.formats.kv import kv_vector_bytes
+from minfer.formats.kv import check_kv_cache_dtype, kv_vector_bytes
 from minfer.formats.weights import INT4_GROUP_SIZES
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
-KV_CACHE_DTYPES = ("auto", "int8")  # vLLM's names; its "fp8" formats are not implemented here
 # awq, gptq: int4 with activation-aware scales (minfer.quant.awq), with GPTQ's codes (minfer.quant.gptq)
 QUANTIZATION_METHODS = ("int8", "int4", "awq", "gptq")
 INT4_METHODS = ("int4", "awq", "gptq")
@@ -119,7 +118,8 @@ class EngineConfig:
     window; default the model's). quantization None | 'int8' | 'int4' | 'awq' | 'gptq' and
     quantization_group_size (int4 only: 32, 64 or 128; see `minfer.quant.linear`).
 
-    KV cache: block_size (tokens per block), kv_cache_dtype ('auto' = the model's dtype, or 'int8'),
+    KV cache: block_size (tokens per block), kv_cache_dtype ('auto' = the model's dtype, 'int8', or
+    'fp8' = 'fp8_e4m3'; see `minfer.formats.kv`),
     and the pool's size: num_gpu_blocks_override (blocks, on any device), else kv_cache_memory_bytes,
     else on CUDA gpu_memory_utilization x device memory minus what is in use, on CPU 1 GiB.
 
@@ -193,8 +193,7 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be 'auto' (the model's dtype) or 'int8', got {self.kv_cache_dtype!r}")
+        self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)  # "fp8_e4m3" becomes "fp8"
         if not isinstance(self.bucket_step_shapes, bool):
             raise ValueError(f"bucket_step_shapes must be True or False, got {self.bucket_step_shapes!r}")
         if self.enforce_eager not in (None, True, False):

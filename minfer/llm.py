@@ -40,7 +40,7 @@ class LLM:
     directory. attention: 'sdpa', 'reference' or your own function (see `minfer.layers.attention`).
     Every other keyword is an engine argument with vLLM's name, checked by `minfer.config.EngineConfig`
     before anything loads: dtype, device, seed, max_model_len, quantization (None, 'int8', 'int4',
-    'awq', 'gptq') and quantization_group_size, kv_cache_dtype ('auto', 'int8'), block_size, the KV pool's
+    'awq', 'gptq') and quantization_group_size, kv_cache_dtype ('auto', 'int8', 'fp8' = 'fp8_e4m3'), block_size, the KV pool's
     size (num_gpu_blocks_override, kv_cache_memory_bytes, gpu_memory_utilization), max_num_seqs,
     max_num_batched_tokens, enable_chunked_prefill, enable_prefix_caching, speculative_model with
     num_speculative_tokens, enforce_eager, tensor_parallel_size. An unknown keyword raises TypeError.
@@ -55,7 +55,8 @@ class LLM:
     written by `minfer.quant.checkpoint` loads quantized as stored, nothing recomputed. The output
     head becomes int8; the embedding stays exact.
     kv_cache_dtype='int8' keeps a float32 scale per token and KV head: about 2x the tokens of
-    bfloat16 in the same memory (served by the paged engine, not by batching="static").
+    bfloat16 in the same memory (served by the paged engine, not by batching="static"); 'fp8'
+    stores e4m3 with a float32 scale per layer and KV head, calibrated when the engine is built: 2x.
 
     Speculative decoding (see `minfer.spec`): speculative_model '[ngram]' (prompt lookup), a model
     name or path with the target's tokenizer, or a shipped draft such as 'smollm2-135m-draft'. The

@@ -60,14 +60,15 @@ def test_quick_run_on_a_tiny_model(tiny_dir, monkeypatch, tmp_path):
     expected_bytes = {"none": 4 * LINEAR_PARAMS, "int8 weights": LINEAR_PARAMS + 4 * LINEAR_ROWS,
                       "int4 g64": LINEAR_PARAMS // 2 + 4 * LINEAR_PARAMS // 64,
                       "int4 g32": LINEAR_PARAMS // 2 + 4 * LINEAR_PARAMS // 32}
-    expected_bytes.update({"int8 KV": expected_bytes["none"], "awq g64": expected_bytes["int4 g64"],
+    expected_bytes.update({"int8 KV": expected_bytes["none"], "fp8 KV": expected_bytes["none"], "awq g64": expected_bytes["int4 g64"],
                            "awq g32": expected_bytes["int4 g32"], "int8 weights + int8 KV": expected_bytes["int8 weights"],
                            "int4 g64 + int8 KV": expected_bytes["int4 g64"], "gptq g64": expected_bytes["int4 g64"]})
     assert {name: r["linear_bytes"] for name, r in rows.items()} == expected_bytes
     assert rows["int8 weights"]["linear_bytes_ratio_vs_bf16"] == pytest.approx(2 * LINEAR_PARAMS / expected_bytes["int8 weights"])
-    # KV per token: K and V x 2 layers x 2 KV heads x (16 float32 values, or 16 int8 values and a float32 scale)
+    # KV per token: K and V x 2 layers x 2 KV heads x (16 float32 values, 16 int8 values and a float32 scale,
+    # or 16 fp8 values: their scales are per layer and head, not per token)
     assert {name: r["kv_bytes_per_token"] for name, r in rows.items()} == {
-        name: 2 * 2 * 2 * (16 + 4 if "int8 KV" in name else 16 * 4) for name in rows}
+        name: 2 * 2 * 2 * (16 + 4 if "int8 KV" in name else 16 if "fp8 KV" in name else 16 * 4) for name in rows}
     markdown = qb.format_markdown(result, "cmd")
     assert "| none |" in markdown and "Targets:" in markdown
     saved = tmp_path / "result.json"

@@ -27,8 +27,10 @@ def test_kv_bytes_per_token_by_hand():
     assert SMOLLM2.kv_bytes_per_token(torch.float32) == 46080
     # int8: 64 one-byte values and a 4-byte float32 scale per (token, KV head)
     assert SMOLLM2.kv_bytes_per_token(torch.bfloat16, "int8") == 2 * 30 * 3 * 68 == 12240
+    # fp8: 64 one-byte values; the scales are per (layer, KV head), not per token
+    assert SMOLLM2.kv_bytes_per_token(torch.bfloat16, "fp8") == 2 * 30 * 3 * 64 == 11520
     with pytest.raises(ValueError, match="kv_cache_dtype must be"):
-        SMOLLM2.kv_bytes_per_token(torch.float32, "fp8")
+        SMOLLM2.kv_bytes_per_token(torch.float32, "fp8_e5m2")
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -37,7 +39,7 @@ def test_kv_bytes_per_token_by_hand():
     ("max_num_batched_tokens", True, "max_num_batched_tokens must be an integer >= 1"),
     ("num_gpu_blocks_override", -3, "num_gpu_blocks_override must be an integer >= 1"),
     ("gpu_memory_utilization", 1.5, r"gpu_memory_utilization must be in \(0, 1\]"),
-    ("kv_cache_dtype", "fp8", "kv_cache_dtype must be 'auto'"),
+    ("kv_cache_dtype", "fp8_e5m2", "kv_cache_dtype must be 'auto'"),
     ("quantization", "int3", "unknown quantization 'int3'"),
     ("dtype", "float64", "unknown dtype 'float64'"),
     ("device", "tpu", "unknown device 'tpu'"),

@@ -62,7 +62,8 @@ def test_every_variant_compiles_for_sm80_and_sm90(report):
     per_variant = {}
     for r in rows:
         per_variant.setdefault((r["kernel"], json.dumps(r["params"], sort_keys=True)), []).append(r["arch"])
-    assert all(sorted(archs) == list(ARCHS) for archs in per_variant.values())
+    # fp8 KV for sm_90 only: e4m3 needs sm_89+ (test_the_compiler_refuses_what_the_interpreter_runs)
+    assert all(sorted(archs) == ([90] if '"kv": "fp8"' in key[1] else list(ARCHS)) for key, archs in per_variant.items())
 
 
 def test_shared_memory_and_registers_within_limits(report):
@@ -76,7 +77,7 @@ def test_shared_memory_and_registers_within_limits(report):
 
 
 def test_variants_cover_what_the_engine_launches(report):
-    """Every dtype, with and without int8 KV, every GQA group, block size and head_dim, every int4
+    """Every dtype, with and without int8 KV (and with fp8 KV at the base group and block size), every GQA group, block size and head_dim, every int4
     group size; and each launch recorded is the variant it claims to be (its constexprs say so)."""
     seen: dict = {}
     for r in report["rows"]:
@@ -85,6 +86,7 @@ def test_variants_cover_what_the_engine_launches(report):
         p, c = r["params"], r["constexprs"]
         if r["kernel"] in ("paged_decode_attention", "paged_prefill_attention", "write_kv"):
             assert c["QUANTIZED"] == (p["kv"] == "int8") and c["BLOCK_SIZE"] == p["block_size"], r
+            assert c["FP8"] == (p["kv"] == "fp8"), r
             assert c["BLOCK_D"] == p["head_dim"], r
         if r["kernel"] in ("paged_decode_attention", "paged_prefill_attention"):
             assert c["GROUP"] == p["group"], r
@@ -92,13 +94,13 @@ def test_variants_cover_what_the_engine_launches(report):
             assert c["GROUP_SIZE"] == p["group_size"] and p["group_size"] % c["BLOCK_K"] == 0, r
     for kernel in ("paged_decode_attention", "paged_prefill_attention", "write_kv"):
         assert seen[kernel, "dtype"] == {"bf16", "fp16", "fp32"}
-        assert seen[kernel, "kv"] == {"auto", "int8"}
+        assert seen[kernel, "kv"] == {"auto", "int8", "fp8"}
         assert seen[kernel, "group"] == {1, 3, 9}
         assert seen[kernel, "block_size"] == {8, 16, 32}
         assert seen[kernel, "head_dim"] == {64, 128}
     pairs = {(r["kernel"], r["params"]["dtype"], r["params"].get("kv")) for r in report["rows"]}
     assert all((k, d, kv) in pairs for k in ("paged_decode_attention", "paged_prefill_attention", "write_kv")
-               for d in ("bf16", "fp16", "fp32") for kv in ("auto", "int8"))
+               for d in ("bf16", "fp16", "fp32") for kv in ("auto", "int8", "fp8"))
     for kernel in ("int8_matmul", "int4_matmul"):
         assert seen[kernel, "dtype"] == {"bf16", "fp16", "fp32"} and seen[kernel, "rows"] == {1, 7}
     assert seen["int4_matmul", "group_size"] == {32, 64, 128}
@@ -131,6 +133,11 @@ BROKEN = textwrap.dedent('''
             acc += tl.dot(a, b)
         tl.store(out_ptr + rows[:, None] * BLOCK + rows[None, :], acc)
 
+    @triton.jit
+    def fp8_upcast(x_ptr, out_ptr, N: tl.constexpr):
+        n = tl.arange(0, N)
+        tl.store(out_ptr + n, tl.load(x_ptr + n).to(tl.float32))
+
     fp16, int8, bf16 = (torch.ones(16 * 32, dtype=t) for t in (torch.float16, torch.int8, torch.bfloat16))
     out = torch.zeros(16 * 16)
     if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter runs a dot whose inner side is 8
@@ -142,7 +149,8 @@ BROKEN = textwrap.dedent('''
     result = {}
     cases = {"k8": (small_dot, (fp16, fp16, out), dict(M=16, K=8, N=16)),
              "int8_x_bf16": (small_dot, (int8, bf16, out), dict(M=16, K=32, N=16)),
-             "fine": (small_dot, (fp16, fp16, out), dict(M=16, K=16, N=16))}
+             "fine": (small_dot, (fp16, fp16, out), dict(M=16, K=16, N=16)),
+             "e4m3": (fp8_upcast, (torch.ones(16, dtype=torch.float8_e4m3fn), out), dict(N=16))}
     for name, (kernel, args, kwargs) in cases.items():
         for cap in (80, 90):
             try:
@@ -160,7 +168,8 @@ BROKEN = textwrap.dedent('''
 
 def test_the_compiler_refuses_what_the_interpreter_runs(tmp_path):
     """The check can fail: a tl.dot over an inner side of 8 runs under the interpreter and is refused
-    for both GPUs, and so is an int8 x bfloat16 dot; too much shared memory compiles, and is flagged."""
+    for both GPUs, and so is an int8 x bfloat16 dot; e4m3 is refused for sm_80; too much shared memory
+    compiles, and is flagged."""
     script = tmp_path / "broken_kernels.py"
     script.write_text(BROKEN)
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
@@ -179,6 +188,9 @@ def test_the_compiler_refuses_what_the_interpreter_runs(tmp_path):
         pipelined = result[f"pipelined_{cap}"]
         assert pipelined["shared"] > SHARED_LIMIT[cap]
         assert any("shared memory" in problem for problem in pipelined["problems"]), pipelined
+    # e4m3 (fp8 KV): the interpreter runs it (tests/test_kv_fp8.py), sm_90 compiles it, sm_80 refuses it
+    assert result["e4m3_90"] == "compiled"
+    assert "fp8e4nv not supported in this architecture" in result["e4m3_80"], result["e4m3_80"]
 
 
 ON_THE_GPU = textwrap.dedent('''

@@ -83,11 +83,11 @@ def test_memory_budget_holds_more_int8_blocks(tmp_path):
 
 
 def test_bad_kv_cache_dtype_is_rejected(tmp_path, llm):
-    for bad in ("fp8", "float16", None, "INT8"):
+    for bad in ("fp8_e5m2", "float16", None, "INT8"):
         with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto'.*'int8'"):
             LLM(str(tmp_path / "never_loaded"), kv_cache_dtype=bad)  # checked before the model loads
     with pytest.raises(ValueError, match="kv_cache_dtype"):  # and by the pool, for direct users
-        KVPool(llm.config, 2, 16, torch.float32, "cpu", "fp8")
+        KVPool(llm.config, 2, 16, torch.float32, "cpu", "fp8_e5m2")
 
 
 def test_static_loop_refuses_int8(tmp_path):

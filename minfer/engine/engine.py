@@ -31,6 +31,7 @@ import torch
 
 from minfer.config import EngineConfig
 from minfer.engine.block_manager import BlockManager
+from minfer.engine.kv_calibration import calibration_ids, kv_ranges
 from minfer.engine.model_runner import ModelRunner, StepOutput
 from minfer.engine.scheduler import Scheduler
 from minfer.logprobs import logprobs_of
@@ -84,6 +85,10 @@ class Engine:
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.eos_token_ids = {t for t in (tokenizer.eos_token_id,) if t is not None}
         self.runner = runner or ModelRunner(model, config, use_kernels)
+        # fp8's static scales, from a calibration text (a runner made elsewhere, tensor parallelism's,
+        # keeps its pools' scales at 1, vLLM's default without calibrated scales)
+        if runner is None and config.kv_cache_dtype == "fp8":
+            self.runner.pool.calibrate_fp8(*kv_ranges(model, calibration_ids(tokenizer, config.max_model_len)))
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)

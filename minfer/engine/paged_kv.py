@@ -3,9 +3,10 @@
 `KVPool` holds the memory: per layer a K pool and a V pool cut into blocks of `block_size`
 tokens. Token t of a sequence lives in block `block_table[t // block_size]` at offset
 `t % block_size`; its flat *slot* is block * block_size + offset. The pools hold the model's dtype
-(kv_cache_dtype "auto") or int8 ("int8"): then a float32 scale per (token, KV head) sits beside
-them, tokens are quantized as they are stored and dequantized as they are read
-(`minfer/formats/kv.py`), and the same memory holds about twice as many tokens as bfloat16.
+(kv_cache_dtype "auto"), int8 ("int8": a float32 scale per (token, KV head) sits beside them) or
+float8_e4m3fn ("fp8": a float32 scale per (layer, KV head), calibrated once); tokens are quantized
+as they are stored and dequantized as they are read (`minfer/formats/kv.py`), and the same memory
+holds about twice as many tokens as bfloat16.
 
 In memory the pools are heads-first, [layers, kv_heads, num_blocks, block_size, head_dim], so one
 KV head's tokens of a block are one contiguous run. Every reader sees a layer's pool as
@@ -33,9 +34,9 @@ from typing import Optional
 
 import torch
 
-from minfer.config import KV_CACHE_DTYPES, ModelConfig
+from minfer.config import ModelConfig
 from minfer.engine.buckets import bucket_for
-from minfer.formats.kv import dequantize_kv, quantize_kv
+from minfer.formats.kv import FP8_DTYPE, check_kv_cache_dtype, dequantize_kv, fp8_scale, quantize_kv, quantize_kv_fp8
 from minfer.kernels.paged_cache import gather_blocks, slots_for_positions
 from minfer.layers.attention import AttentionFn
 
@@ -43,40 +44,63 @@ from minfer.layers.attention import AttentionFn
 class KVPool:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, kv_cache_dtype: str = "auto") -> None:
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-        self.quantized = kv_cache_dtype == "int8"
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
+        self.quantized = self.kv_cache_dtype == "int8"  # int8: a scale per (token, KV head)
+        self.fp8 = self.kv_cache_dtype == "fp8"  # fp8: a scale per (layer, KV head)
         self.dtype = dtype  # the model's: what reads return
         self.block_size, self.num_blocks = block_size, num_blocks
         shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim)  # heads-first
-        self.k = torch.zeros(shape, dtype=torch.int8 if self.quantized else dtype, device=device)
+        pool_dtype = torch.int8 if self.quantized else FP8_DTYPE if self.fp8 else dtype
+        self.k = torch.zeros(shape, dtype=pool_dtype, device=device)
         self.v = torch.zeros_like(self.k)
-        # int8 only: one float32 scale per (layer, block, offset, KV head)
-        scale_shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads)
-        self.k_scale = torch.zeros(scale_shape, dtype=torch.float32, device=device) if self.quantized else None
-        self.v_scale = torch.zeros_like(self.k_scale) if self.quantized else None
+        # int8: one float32 scale per (layer, block, offset, KV head); fp8: one per (layer, KV head),
+        # 1 (vLLM's default) until `calibrate_fp8` sets them from measured ranges
+        scale_shape = ((config.num_layers, num_blocks, block_size, config.num_kv_heads) if self.quantized
+                       else (config.num_layers, config.num_kv_heads))
+        scaled = self.quantized or self.fp8
+        self.k_scale = torch.ones(scale_shape, dtype=torch.float32, device=device) if scaled else None
+        self.v_scale = torch.ones_like(self.k_scale) if scaled else None
         self._workspace = torch.empty(0, dtype=self.k.dtype, device=device)  # reused by `gather`
 
     @property
     def nbytes(self) -> int:
+        """The pools' bytes, per-token scales included (fp8's per-head scales are a few bytes, not counted)."""
         scales = self.k_scale.nbytes + self.v_scale.nbytes if self.quantized else 0
         return self.k.nbytes + self.v.nbytes + scales
+
+    def calibrate_fp8(self, k_amax: torch.Tensor, v_amax: torch.Tensor) -> None:
+        """Set an fp8 pool's scales from the largest |k| and |v| seen per (layer, KV head) (`fp8_scale`).
+        Only before anything is stored: tokens already stored were scaled by the old scales."""
+        if not self.fp8:
+            raise ValueError(f"calibrate_fp8 is for an fp8 pool; this one is {self.kv_cache_dtype!r}")
+        self.k_scale.copy_(fp8_scale(k_amax))
+        self.v_scale.copy_(fp8_scale(v_amax))
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V pools as every reader sees them: [num_blocks, block_size, kv_heads, head_dim] views."""
         return self.k[layer].movedim(0, 2), self.v[layer].movedim(0, 2)
 
     def scales(self, layer: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """The layer's K and V scale pools (None, None unless int8)."""
-        return (self.k_scale[layer], self.v_scale[layer]) if self.quantized else (None, None)
+        """The layer's K and V scales: int8 pools' scale pools [num_blocks, block_size, kv_heads], fp8
+        pools' per-head scales [kv_heads], or (None, None)."""
+        return (self.k_scale[layer], self.v_scale[layer]) if self.k_scale is not None else (None, None)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write k, v [tokens, kv_heads, head_dim] at their slots (quantizing them for an int8 pool)."""
+        """Write k, v [tokens, kv_heads, head_dim] at their slots (quantizing them for an int8 or fp8 pool)."""
         for pool, scales, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            if scales is not None:
+            if self.quantized:
                 new, scale = quantize_kv(new)  # int8 [tokens, kv_heads, head_dim], float32 [tokens, kv_heads]
                 scales[layer].view(-1, new.shape[1])[slots] = scale
+            elif self.fp8:
+                new = quantize_kv_fp8(new, scales[layer])
             pool[layer].view(new.shape[1], -1, new.shape[2])[:, slots] = new.transpose(0, 1)
+
+    def _read(self, values: torch.Tensor, scales: Optional[torch.Tensor]) -> torch.Tensor:
+        """Stored values [seqs, kv_heads, tokens, head_dim] in the model's dtype, given their per-token
+        scales [seqs, kv_heads, tokens] (int8) or the layer's per-head scales [kv_heads] (fp8)."""
+        if self.fp8:
+            scales = scales[None, :, None].expand(values.shape[:-1])
+        return values if scales is None else dequantize_kv(values, scales, self.dtype)
 
     def gather(self, layer: int, tables: torch.Tensor, first_block: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of whole blocks, [seqs, kv_heads, blocks * block_size, head_dim], in the model's dtype.
@@ -85,13 +109,13 @@ class KVPool:
         first_block: the tables are one sequence whose blocks are consecutive, starting there. Its
         keys and values are then one contiguous run per head in the heads-first pool, read in
         place with no copy at all (a sequence alone in the pool gets its blocks in order)."""
+        k_scales, v_scales = self.scales(layer)
         if first_block is not None:
             blocks = slice(first_block, first_block + tables.shape[1])
             keys, values = self.k[layer][:, blocks].flatten(1, 2)[None], self.v[layer][:, blocks].flatten(1, 2)[None]
             if self.quantized:
-                keys = dequantize_kv(keys, self.k_scale[layer][blocks].flatten(0, 1).T[None], self.dtype)
-                values = dequantize_kv(values, self.v_scale[layer][blocks].flatten(0, 1).T[None], self.dtype)
-            return keys, values
+                k_scales, v_scales = (s[blocks].flatten(0, 1).T[None] for s in (k_scales, v_scales))
+            return self._read(keys, k_scales), self._read(values, v_scales)
         k_pool, v_pool = self.layer(layer)
         _, block_size, kv_heads, head_dim = k_pool.shape
         shape = (kv_heads, tables.numel(), block_size, head_dim)
@@ -101,10 +125,8 @@ class KVPool:
         keys = gather_blocks(k_pool, tables, out=self._workspace[:numel].view(shape))
         values = gather_blocks(v_pool, tables, out=self._workspace[numel:2 * numel].view(shape))
         if self.quantized:
-            k_scales, v_scales = self.scales(layer)
-            keys = dequantize_kv(keys, gather_blocks(k_scales, tables), self.dtype)
-            values = dequantize_kv(values, gather_blocks(v_scales, tables), self.dtype)
-        return keys, values
+            k_scales, v_scales = gather_blocks(k_scales, tables), gather_blocks(v_scales, tables)
+        return self._read(keys, k_scales), self._read(values, v_scales)
 
 
 @dataclass
@@ -197,7 +219,7 @@ class PagedStep:
         from minfer.kernels.paged_prefill_attention import paged_prefill_attention
 
         k_pool, v_pool = self.pool.layer(layer)
-        k_scales, v_scales = self.pool.scales(layer)  # None unless the pools are int8
+        k_scales, v_scales = self.pool.scales(layer)  # None unless the pools are int8 or fp8
         write_kv(k_pool, v_pool, k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous(), self.slot_mapping,
                  k_scales, v_scales)
         tokens = q[0].transpose(0, 1).contiguous()  # [tokens, heads, dim]

@@ -1,7 +1,7 @@
 """Number formats shared by the kernels and the quantizers: plain tensor functions, no layers.
 
     weights.py   int8 per output channel; int4 in groups, two values per byte
-    kv.py        int8 KV cache entries, one scale per (token, KV head)
+    kv.py        int8 KV cache entries, one scale per (token, KV head); fp8 (e4m3) ones, one per (layer, KV head)
 
 They import nothing of minfer but each other, so `minfer.kernels` (a leaf) and `minfer.quant`
 (which applies the formats to a model) can both build on them without importing each other.

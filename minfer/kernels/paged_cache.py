@@ -46,6 +46,17 @@ scale pool beside each K and V pool, addressed by the same slots without the hea
 ``write_kv`` quantizes as it stores, and ``load_kv_tile`` dequantizes right after it loads, so the
 attention math in between is unchanged: it only ever sees ordinary K/V tiles.
 
+fp8 pools
+---------
+Or ``torch.float8_e4m3fn`` (``LLM(kv_cache_dtype="fp8")``): then the scales are one float32 per KV
+head for the whole layer, ``scales: [num_kv_heads]``, set once by calibration (``minfer/formats/kv.py``
+says why per head, and why no per-token scale is needed). The kernels upcast each loaded tile to
+float32 and multiply by its head's scale, a single number per program. Triton's interpreter runs
+these conversions, so the tests check the kernels under ``TRITON_INTERPRET=1``, but it rounds
+float32 to e4m3 wrongly in some cases, so ``write_kv`` rounds by hand first (``round_to_e4m3``).
+A GPU converts e4m3 in hardware from sm_89 (Ada, Hopper) on (``tests/test_kernel_compile.py``
+compiles the fp8 variants for sm_90, and says what sm_80 does).
+
 Running the kernels
 -------------------
 Triton compiles for GPUs. On a CPU it can only *interpret* a kernel (numpy executes each program
@@ -73,7 +84,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.formats.kv import dequantize_kv, quantize_kv
+from minfer.formats.kv import FP8_DTYPE, dequantize_kv, quantize_kv, quantize_kv_fp8
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -113,12 +124,14 @@ def gather_kv(pool: torch.Tensor, block_table: torch.Tensor, length: int,
 
     The reference way to read a paged cache, for the kernels' references: copy the sequence's
     blocks out (``gather_blocks``), which is exactly what the kernels avoid. With ``scales`` (an
-    int8 pool's scale pool) the tokens come back dequantized, in float32.
+    int8 pool's scale pool, or an fp8 pool's per-head scales) the tokens come back dequantized, in float32.
     """
     table = block_table[None, :-(-length // pool.shape[1])]  # the blocks it fills (the rest may be padding)
     values = gather_blocks(pool, table)[0, :, :length].transpose(0, 1)
     if scales is None:
         return values
+    if pool.dtype == FP8_DTYPE:
+        return dequantize_kv(values, scales.expand(values.shape[:-1]))
     return dequantize_kv(values, gather_blocks(scales, table)[0, :, :length].transpose(0, 1))
 
 
@@ -133,10 +146,17 @@ def check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
 
 
 def check_scales(k_pool: torch.Tensor, k_scales: Optional[torch.Tensor], v_scales: Optional[torch.Tensor]) -> None:
-    """int8 pools come with float32 scale pools [num_blocks, block_size, num_kv_heads]; other pools without."""
+    """int8 pools come with float32 scale pools [num_blocks, block_size, num_kv_heads], fp8 pools with
+    float32 scales [num_kv_heads]; other pools without."""
+    if k_pool.dtype == FP8_DTYPE:
+        for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if scales is None or scales.shape != k_pool.shape[2:3] or scales.dtype != torch.float32 or not scales.is_contiguous():
+                raise ValueError(f"fp8 pools need {name} float32 [{k_pool.shape[2]}] (one per KV head), got "
+                                 f"{None if scales is None else (scales.dtype, tuple(scales.shape))}")
+        return
     if k_pool.dtype != torch.int8:
         if k_scales is not None or v_scales is not None:
-            raise ValueError(f"scales belong to int8 pools; these pools are {k_pool.dtype}")
+            raise ValueError(f"scales belong to int8 and fp8 pools; these pools are {k_pool.dtype}")
         return
     if k_scales is None or v_scales is None:
         raise ValueError("int8 pools need k_scales and v_scales (float32 [num_blocks, block_size, num_kv_heads])")
@@ -166,8 +186,8 @@ def check_attention_inputs(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if q.dim() != 3 or head_dim != k_pool.shape[3] or num_heads % num_kv_heads:
         raise ValueError(f"q must be [tokens, num_heads, {k_pool.shape[3]}] with num_heads a multiple of "
                          f"num_kv_heads={num_kv_heads}, got {tuple(q.shape)}")
-    if q.dtype != k_pool.dtype and k_pool.dtype != torch.int8:
-        raise ValueError(f"q and the pools must share a dtype (or the pools be int8), got {q.dtype} and {k_pool.dtype}")
+    if q.dtype != k_pool.dtype and k_pool.dtype not in (torch.int8, FP8_DTYPE):
+        raise ValueError(f"q and the pools must share a dtype (or the pools be int8 or fp8), got {q.dtype} and {k_pool.dtype}")
     if q.stride(-1) != 1:
         raise ValueError("the last (head_dim) axis of q must be contiguous")
     if (block_tables.dim() != 2 or block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1
@@ -179,15 +199,16 @@ def check_attention_inputs(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
 @triton.jit
 def load_kv_tile(table_ptr, k_pool_ptr, v_pool_ptr, k_scale_ptr, v_scale_ptr, positions, token_ok, dims, dim_ok,
                  kv_head, stride_pool_block, stride_pool_token, stride_pool_head, stride_scale_block,
-                 stride_scale_token, BLOCK_SIZE: tl.constexpr, QUANTIZED: tl.constexpr):
+                 stride_scale_token, BLOCK_SIZE: tl.constexpr, QUANTIZED: tl.constexpr, FP8: tl.constexpr):
     """K and V of one sequence's tokens at ``positions`` (one KV head), read through its block table.
 
     The page-table lookup every paged kernel shares: which block holds each position and where in
     it. Masked positions (``token_ok`` False) read no table entry and load zero K/V, so whatever
     pads a table row is never read.
     Returns two [len(positions), len(dims)] tiles. QUANTIZED (int8 pools): the tiles come back
-    dequantized, in float32, each row times its token's scale; otherwise the scale arguments are
-    unused (None) and the tiles keep the pools' dtype.
+    dequantized, in float32, each row times its token's scale. FP8 (fp8 pools): upcast to float32
+    and times the KV head's one scale. Otherwise the scale arguments are unused (None) and the tiles
+    keep the pools' dtype.
     """
     block = tl.load(table_ptr + positions // BLOCK_SIZE, mask=token_ok, other=0).to(tl.int64)
     token = block * stride_pool_block + (positions % BLOCK_SIZE) * stride_pool_token + kv_head * stride_pool_head
@@ -199,6 +220,9 @@ def load_kv_tile(table_ptr, k_pool_ptr, v_pool_ptr, k_scale_ptr, v_scale_ptr, po
         scale_offsets = block * stride_scale_block + (positions % BLOCK_SIZE) * stride_scale_token + kv_head
         k = k.to(tl.float32) * tl.load(k_scale_ptr + scale_offsets, mask=token_ok, other=0.0)[:, None]
         v = v.to(tl.float32) * tl.load(v_scale_ptr + scale_offsets, mask=token_ok, other=0.0)[:, None]
+    if FP8:  # one scale per program: this KV head's
+        k = k.to(tl.float32) * tl.load(k_scale_ptr + kv_head)
+        v = v.to(tl.float32) * tl.load(v_scale_ptr + kv_head)
     return k, v
 
 
@@ -207,12 +231,15 @@ def write_kv_reference(k_pool: torch.Tensor, v_pool: torch.Tensor, k_new: torch.
                        v_scales: Optional[torch.Tensor] = None) -> None:
     """Store k_new, v_new [num_tokens, num_kv_heads, head_dim] at their slots, in place; slot -1 is skipped.
 
-    int8 pools (with their scale pools): each (token, head) vector is quantized on the way in."""
+    int8 pools (with their scale pools): each (token, head) vector is quantized on the way in; fp8
+    pools (with their per-head scales): divided by its head's scale and rounded to e4m3."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     for pool, scales, new in ((k_pool, k_scales, k_new), (v_pool, v_scales, v_new)):
         if scales is None:
             pool.view(-1, *pool.shape[2:])[slots] = new[keep].to(pool.dtype)
+        elif pool.dtype == FP8_DTYPE:
+            pool.view(-1, *pool.shape[2:])[slots] = quantize_kv_fp8(new[keep], scales)
         else:
             values, scale = quantize_kv(new[keep])
             pool.view(-1, *pool.shape[2:])[slots] = values
@@ -231,6 +258,22 @@ def quantize_rows(x, scale_ptrs, row_ok):
 
 
 @triton.jit
+def round_to_e4m3(x):
+    """float32 x (|x| <= 448) rounded to the nearest e4m3 number, ties to even, still in float32: the
+    rounding ``tensor.to(torch.float8_e4m3fn)`` does. Done by hand because Triton's interpreter gets
+    the cast wrong when rounding up crosses a power of two (127.9 becomes 64, not 128: it drops the
+    carry into the exponent); after this the cast is exact, interpreted or on a GPU."""
+    bits = x.to(tl.int32, bitcast=True)
+    # below 2^-6 e4m3 is subnormal, multiples of 2^-9: 1.5 * 2^14 has a float32 ulp of 2^-9, so adding
+    # it rounds |x| to a multiple (ties to even), and subtracting it leaves that multiple
+    tiny = (tl.abs(x) + 24576.0) - 24576.0
+    tiny = tl.where(bits < 0, -tiny, tiny)
+    # normal numbers: keep 3 of float32's 23 mantissa bits, ties to even; a carry moves the exponent up
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+    return tl.where(tl.abs(x) < 0.015625, tiny, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def _write_kv_kernel(
     k_pool_ptr, v_pool_ptr, k_new_ptr, v_new_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
     stride_pool_block, stride_pool_token, stride_pool_head,
@@ -238,6 +281,7 @@ def _write_kv_kernel(
     stride_scale_block, stride_scale_token,
     num_kv_heads, head_dim,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANTIZED: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     # One program per new token: it copies that token's [num_kv_heads, head_dim] tile of K and of V.
     token = tl.program_id(0)
@@ -260,6 +304,11 @@ def _write_kv_kernel(
         scales = block * stride_scale_block + offset * stride_scale_token + heads
         k = quantize_rows(tl.where(mask, k, 0.0), k_scale_ptr + scales, heads < num_kv_heads)
         v = quantize_rows(tl.where(mask, v, 0.0), v_scale_ptr + scales, heads < num_kv_heads)
+    if FP8:  # fp8 pools: each head's numbers over its scale, saturated at ±448 (FP8_MAX), then cast to e4m3
+        k_scale = tl.load(k_scale_ptr + heads, mask=heads < num_kv_heads, other=1.0)[:, None]
+        v_scale = tl.load(v_scale_ptr + heads, mask=heads < num_kv_heads, other=1.0)[:, None]
+        k = round_to_e4m3(tl.clamp(k.to(tl.float32) / k_scale, -448.0, 448.0))
+        v = round_to_e4m3(tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0))
     tl.store(k_pool_ptr + dst, k.to(k_pool_ptr.dtype.element_ty), mask=mask)
     tl.store(v_pool_ptr + dst, v.to(v_pool_ptr.dtype.element_ty), mask=mask)
 
@@ -269,7 +318,8 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k_new: torch.Tensor, v_
              v_scales: Optional[torch.Tensor] = None) -> None:
     """Store k_new, v_new [num_tokens, num_kv_heads, head_dim] at their slots, in place; slot -1 is skipped.
 
-    int8 pools need their scale pools (``k_scales``, ``v_scales``); the new tokens are quantized.
+    int8 pools need their scale pools (``k_scales``, ``v_scales``), fp8 pools their per-head scales;
+    the new tokens are quantized.
     Runs the Triton kernel on CUDA tensors or under TRITON_INTERPRET=1, else ``write_kv_reference``.
     """
     check_pools(k_pool, v_pool)
@@ -290,7 +340,7 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k_new: torch.Tensor, v_
         return
     if k_new.stride(-1) != 1:
         k_new, v_new = k_new.contiguous(), v_new.contiguous()
-    quantized = k_scales is not None
+    quantized, fp8 = k_pool.dtype == torch.int8, k_pool.dtype == FP8_DTYPE
     _write_kv_kernel[(num_tokens,)](
         k_pool, v_pool, k_new, v_new, slot_mapping, k_scales, v_scales,
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
@@ -300,5 +350,5 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k_new: torch.Tensor, v_
         BLOCK_SIZE=k_pool.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
-        QUANTIZED=quantized,
+        QUANTIZED=quantized, FP8=fp8,
     )

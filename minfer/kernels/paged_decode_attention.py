@@ -46,6 +46,10 @@ programs a slice of the context each and merges their (m, l, acc) with the same 
 int8 pools: pass their scale pools as ``k_scales``/``v_scales`` and each K/V tile is dequantized
 right after it is loaded (``load_kv_tile``); the rest of the kernel runs as before. It still reads
 every byte once, but now half as many bytes as bfloat16 (plus 4 per 64-value scale row).
+fp8 pools (``torch.float8_e4m3fn``) come with one scale per KV head (``k_scales``/``v_scales``
+[num_kv_heads]): each tile is upcast and multiplied by the program's one scale, and the bytes read
+are exactly half of bfloat16's. Triton's interpreter upcasts e4m3 exactly, so the tests check this
+path under ``TRITON_INTERPRET=1`` like the others; compiled, it needs sm_89+ (``paged_cache.py``).
 
 Inputs must satisfy ``context_lens >= 1``: a sequence with nothing stored has nothing to attend to.
 """
@@ -71,7 +75,8 @@ def paged_decode_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_po
     q [num_seqs, num_heads, head_dim]; k_pool, v_pool [num_blocks, block_size, num_kv_heads, head_dim];
     block_tables int32 [num_seqs, max_blocks]; context_lens [num_seqs] (each >= 1); scale defaults to
     1/sqrt(head_dim). Returns [num_seqs, num_heads, head_dim] in q's dtype; the math runs in float32.
-    int8 pools come with k_scales, v_scales [num_blocks, block_size, num_kv_heads] (float32).
+    int8 pools come with k_scales, v_scales [num_blocks, block_size, num_kv_heads] (float32), fp8
+    pools with k_scales, v_scales [num_kv_heads] (float32).
     """
     group = check_attention_inputs(q, k_pool, v_pool, block_tables, context_lens, k_scales, v_scales)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -87,7 +92,7 @@ def paged_decode_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_po
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_pool_ptr, v_pool_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
-    k_scale_ptr, v_scale_ptr,  # int8 pools only: their scale pools (None otherwise)
+    k_scale_ptr, v_scale_ptr,  # int8 pools: their scale pools; fp8 pools: per-head scales (None otherwise)
     scale,
     stride_q_seq, stride_q_head,
     stride_pool_block, stride_pool_token, stride_pool_head,
@@ -95,7 +100,7 @@ def _paged_decode_kernel(
     stride_table_seq,
     stride_out_seq, stride_out_head,
     head_dim,
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANTIZED: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANTIZED: tl.constexpr, FP8: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -122,8 +127,8 @@ def _paged_decode_kernel(
         # Page-table lookup: the K/V of these positions wherever their blocks are ([BLOCK_N, BLOCK_D]).
         k, v = load_kv_tile(table, k_pool_ptr, v_pool_ptr, k_scale_ptr, v_scale_ptr, positions, token_ok, dims,
                             dim_ok, kv_head, stride_pool_block, stride_pool_token, stride_pool_head,
-                            stride_scale_block, stride_scale_token, BLOCK_SIZE, QUANTIZED)
-        if QUANTIZED:  # the dequantized tiles are float32; tl.dot wants both operands in q's dtype
+                            stride_scale_block, stride_scale_token, BLOCK_SIZE, QUANTIZED, FP8)
+        if QUANTIZED or FP8:  # the dequantized tiles are float32; tl.dot wants both operands in q's dtype
             k, v = k.to(q.dtype), v.to(q.dtype)
 
         # input_precision="ieee": float32 stays float32 on a GPU (the default rounds it to TF32).
@@ -172,7 +177,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     num_kv_heads = k_pool.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     out = torch.empty_like(q)
-    quantized = k_scales is not None
+    quantized, fp8 = k_pool.dtype == torch.int8, k_pool.dtype == torch.float8_e4m3fn
     _paged_decode_kernel[(num_seqs, num_kv_heads)](
         q, k_pool, v_pool, block_tables, context_lens, out,
         k_scales, v_scales,
@@ -183,7 +188,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         head_dim,
-        GROUP=group, BLOCK_SIZE=k_pool.shape[1], QUANTIZED=quantized,
+        GROUP=group, BLOCK_SIZE=k_pool.shape[1], QUANTIZED=quantized, FP8=fp8,
         # tl.arange wants powers of two; on a GPU tl.dot wants its inner side (BLOCK_D, BLOCK_N)
         # >= 16 for 16-bit operands, and older Triton versions 16 rows too (BLOCK_G).
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles["BLOCK_N"],

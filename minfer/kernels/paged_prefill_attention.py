@@ -38,7 +38,7 @@ Unlike decode, prefill does O(q_len) math per K/V byte, so it is bound by comput
 one program per query head, re-reading the K/V tile its group shares, costs little here.
 Tiles wholly below the diagonal need no mask; splitting the loop to skip it is a further step.
 
-int8 pools (with ``k_scales``/``v_scales``) are read as in the decode kernel: each tile is
+int8 pools and fp8 pools (with ``k_scales``/``v_scales``) are read as in the decode kernel: each tile is
 dequantized by ``load_kv_tile`` right after loading.
 
 Inputs must satisfy ``1 <= q_len <= context_len`` for every sequence.
@@ -79,7 +79,8 @@ def paged_prefill_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_p
     k_pool, v_pool [num_blocks, block_size, num_kv_heads, head_dim], already holding the new tokens;
     block_tables int32 [num_seqs, max_blocks]; context_lens [num_seqs] counts the new tokens too;
     scale defaults to 1/sqrt(head_dim). Returns [total_new_tokens, num_heads, head_dim] in q's dtype;
-    the math runs in float32. int8 pools come with k_scales, v_scales [num_blocks, block_size, num_kv_heads].
+    the math runs in float32. int8 pools come with k_scales, v_scales [num_blocks, block_size, num_kv_heads],
+    fp8 pools with k_scales, v_scales [num_kv_heads].
     """
     group = check_attention_inputs(q, k_pool, v_pool, block_tables, context_lens, k_scales, v_scales)
     q_lens = _check_cu_seqlens(q, cu_seqlens_q, context_lens)
@@ -99,7 +100,7 @@ def paged_prefill_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_p
 @triton.jit
 def _paged_prefill_kernel(
     q_ptr, k_pool_ptr, v_pool_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, out_ptr,
-    k_scale_ptr, v_scale_ptr,  # int8 pools only: their scale pools (None otherwise)
+    k_scale_ptr, v_scale_ptr,  # int8 pools: their scale pools; fp8 pools: per-head scales (None otherwise)
     scale,
     stride_q_token, stride_q_head,
     stride_pool_block, stride_pool_token, stride_pool_head,
@@ -107,7 +108,7 @@ def _paged_prefill_kernel(
     stride_table_seq,
     stride_out_token, stride_out_head,
     head_dim,
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANTIZED: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANTIZED: tl.constexpr, FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -141,8 +142,8 @@ def _paged_prefill_kernel(
         token_ok = positions < kv_end
         k, v = load_kv_tile(table, k_pool_ptr, v_pool_ptr, k_scale_ptr, v_scale_ptr, positions, token_ok, dims,
                             dim_ok, kv_head, stride_pool_block, stride_pool_token, stride_pool_head,
-                            stride_scale_block, stride_scale_token, BLOCK_SIZE, QUANTIZED)
-        if QUANTIZED:  # the dequantized tiles are float32; tl.dot wants both operands in q's dtype
+                            stride_scale_block, stride_scale_token, BLOCK_SIZE, QUANTIZED, FP8)
+        if QUANTIZED or FP8:  # the dequantized tiles are float32; tl.dot wants both operands in q's dtype
             k, v = k.to(q.dtype), v.to(q.dtype)  # [BLOCK_N, BLOCK_D]
 
         # input_precision="ieee": float32 stays float32 on a GPU (the default rounds it to TF32).
@@ -198,7 +199,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     out = torch.empty_like(q)
     grid = (triton.cdiv(max_q_len, tiles["BLOCK_M"]), len(context_lens), num_heads)
-    quantized = k_scales is not None
+    quantized, fp8 = k_pool.dtype == torch.int8, k_pool.dtype == torch.float8_e4m3fn
     _paged_prefill_kernel[grid](
         q, k_pool, v_pool, block_tables, cu_seqlens_q, context_lens, out,
         k_scales, v_scales,
@@ -209,7 +210,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         head_dim,
-        GROUP=group, BLOCK_SIZE=k_pool.shape[1], QUANTIZED=quantized,
+        GROUP=group, BLOCK_SIZE=k_pool.shape[1], QUANTIZED=quantized, FP8=fp8,
         BLOCK_M=tiles["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"], BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         num_warps=tiles["num_warps"],
     )
