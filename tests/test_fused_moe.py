@@ -84,6 +84,30 @@ def test_fused_moe_tile_height_and_the_layer_dispatch():
     torch.testing.assert_close(moe_mlp(*args, impl="triton"), expected, atol=1e-4, rtol=1e-4)
 
 
+@needs_kernels
+def test_fused_moe_in_a_model():
+    """A whole (tiny, random) Qwen2-MoE-shaped model: its logits through the kernels are the reference's."""
+    from minfer.config import ModelConfig
+    from minfer.models.llama import LlamaModel
+    from minfer.models.moe import moe_blocks
+
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                         head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=64,
+                         tie_word_embeddings=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                         norm_topk_prob=False, shared_expert_intermediate_size=24, sparse_layers=(0, 1))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaModel(config).eval().to(DEVICE)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    positions = torch.arange(9, device=DEVICE).expand_as(ids)
+    logits = {}
+    for impl in ("reference", "triton"):
+        for block in moe_blocks(model):
+            block.impl = impl
+        logits[impl] = model(ids, positions, last_only=False)
+    torch.testing.assert_close(logits["triton"], logits["reference"], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_grouped_matches_reference(shape):
     x, weights, ids, gate_up, down = (t.cpu() for t in problem(*shape))

@@ -38,6 +38,9 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        for w in (self.gate_up_proj, self.down_proj):  # nn.Linear's default init, expert by expert
+            bound = w.shape[2] ** -0.5
+            nn.init.uniform_(w, -bound, bound)
 
 
 class SparseMoeBlock(nn.Module):
