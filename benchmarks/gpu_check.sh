@@ -96,7 +96,7 @@ if [[ "$DEVICE" == cuda* ]] && part kernels; then
     # and registers, each kernel against its reference on this GPU (test_kernel_compile.py runs the int8-KV
     # and quantized-matmul ones, which their own test files interpret), then their share of bandwidth.
     env -u TRITON_INTERPRET timeout "$(limit 150)" "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_kernel_compile.py \
-        tests/test_kernels.py 2>&1 | tee "$OUT/kernel_tests.log" || status=$?
+        tests/test_kernels.py tests/test_fused_moe.py 2>&1 | tee "$OUT/kernel_tests.log" || status=$?
     timeout "$(limit 60)" "$PYTHON" benchmarks/bench_kernels.py --peak-gbps "${PEAK_GBPS:-4800}" --json "$OUT/bench_kernels.json" \
         2>&1 | tee "$OUT/bench_kernels.log" || status=$?
 fi
