@@ -16,8 +16,10 @@ from minfer.formats.weights import INT4_GROUP_SIZES
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
 # awq, gptq: int4 with activation-aware scales (minfer.quant.awq), with GPTQ's codes (minfer.quant.gptq)
-QUANTIZATION_METHODS = ("int8", "int4", "awq", "gptq")
+# nf4: QLoRA's 4-bit NormalFloat, an absmax per block of quantization_group_size inputs (minfer.formats.nf4)
+QUANTIZATION_METHODS = ("int8", "int4", "awq", "gptq", "nf4")
 INT4_METHODS = ("int4", "awq", "gptq")
+GROUPED_METHODS = INT4_METHODS + ("nf4",)  # the methods quantization_group_size applies to
 MAX_SPECULATIVE_TOKENS = 16
 CPU_KV_CACHE_BYTES = 2**30  # the KV pool on CPU when no size is given
 # ModelConfig.architecture -> the transformers class named in its config.json (to_hf_dict)
@@ -115,8 +117,8 @@ class EngineConfig:
     Model: model (a name such as 'smollm2-135m', a .gguf file or a Hugging Face directory), dtype
     ('auto' | 'float32' | 'bfloat16' | 'float16'; auto: bfloat16 on CUDA, float32 on CPU), device
     ('auto' | 'cpu' | 'cuda'), seed (for requests that bring no seed), max_model_len (the context
-    window; default the model's). quantization None | 'int8' | 'int4' | 'awq' | 'gptq' and
-    quantization_group_size (int4 only: 32, 64 or 128; see `minfer.quant.linear`).
+    window; default the model's). quantization None | 'int8' | 'int4' | 'awq' | 'gptq' | 'nf4' and
+    quantization_group_size (int4 and nf4 only: 32, 64 or 128; see `minfer.quant.linear`).
 
     KV cache: block_size (tokens per block), kv_cache_dtype ('auto' = the model's dtype, 'int8', or
     'fp8' = 'fp8_e4m3'; see `minfer.formats.kv`),
@@ -303,8 +305,8 @@ def check_quantization_args(quantization: Optional[str], group_size: Optional[in
     """What can be checked before loading anything (the group size is checked against the model later)."""
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"unknown quantization {quantization!r}: use one of {QUANTIZATION_METHODS} or None")
-    if group_size is not None and quantization not in INT4_METHODS:
-        raise ValueError(f"quantization_group_size applies to the int4 methods {INT4_METHODS} only, "
+    if group_size is not None and quantization not in GROUPED_METHODS:
+        raise ValueError(f"quantization_group_size applies to the int4 methods {INT4_METHODS} and 'nf4' only, "
                          f"got {group_size!r} with quantization={quantization!r}")
     if group_size is not None and group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"quantization_group_size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")

@@ -59,6 +59,7 @@ from minfer.quant.linear import (CALIBRATED_METHODS, Int4Linear, Int8Linear, all
 QUANT_METHOD = "minfer"  # the quant_method of our layout (GPTQ's is "gptq")
 FORMAT_VERSION = 1
 QUANTIZED_TENSORS = ("qweight", "scale", "minimum")  # the suffixes of tensors loaded exactly as stored
+SAVED_METHODS = ("int8",) + INT4_METHODS  # nf4 (minfer.quant.nf4) has no saved layout yet
 CONFIG_KEYS = ("quant_method", "format_version", "method", "bits", "group_size", "sym", "desc_act", "head")
 
 
@@ -113,6 +114,8 @@ def save_quantized(llm_or_model: Union[object, nn.Module], out_dir: str, tokeniz
     how = getattr(model, "quantization", None)  # recorded by quantize_model
     if how is None:
         raise ValueError("this model is not quantized: quantize it first (quantize_model, or LLM(..., quantization=...))")
+    if how["method"] not in SAVED_METHODS:
+        raise ValueError(f"checkpoints of method {how['method']!r} cannot be saved yet: only {SAVED_METHODS}")
     repacked = [name for name, m in model.named_modules() if isinstance(m, Int4Linear) and m.backend == "torch"]
     if repacked:
         raise ValueError(f"{repacked[0]} (and {len(repacked) - 1} more) hold PyTorch's CPU-kernel layout, whose "
@@ -175,8 +178,8 @@ def build_quantized_model(loaded: LoadedModel, dtype: torch.dtype = torch.float3
 def quantize_checkpoint(model: str, method: str, out_dir: str, group_size: Optional[int] = None,
                         dtype: torch.dtype = torch.float32) -> str:
     """Load `model`, quantize it (calibration text as LLM(..., quantization=method) uses) and save it to out_dir."""
-    if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"unknown method {method!r}: use one of {QUANTIZATION_METHODS}")
+    if method not in SAVED_METHODS:
+        raise ValueError(f"unknown method {method!r} for a saved checkpoint: use one of {SAVED_METHODS}")
     _check_out_dir(out_dir)
     loaded = load_model(model, dtype)
     if loaded.quantization is not None:
@@ -190,7 +193,7 @@ def quantize_checkpoint(model: str, method: str, out_dir: str, group_size: Optio
 def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of `python -m minfer quantize`."""
     parser.add_argument("model", help="model name, .gguf file or Hugging Face directory (the float model)")
-    parser.add_argument("--method", required=True, choices=QUANTIZATION_METHODS,
+    parser.add_argument("--method", required=True, choices=SAVED_METHODS,
                         help="int8 per channel, int4 round-to-nearest, awq or gptq (int4 with calibration)")
     parser.add_argument("--out", required=True, help="the folder to write (new, or a minfer checkpoint to replace)")
     parser.add_argument("--group-size", type=int, default=None,

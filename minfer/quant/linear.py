@@ -38,6 +38,7 @@ from minfer.kernels.quant_matmul import int4_matmul, int4_matmul_reference, int8
 from minfer.config import QUANTIZATION_METHODS, check_quantization_args
 from minfer.quant.awq import CLIP_LINEARS, LAYER_LINEARS, apply_awq
 from minfer.quant.gptq import apply_gptq
+from minfer.quant.nf4 import Nf4Linear
 from minfer.quant.torch_ops import dequantize_int4_cpu, int4_cpu_unsupported, int4_mm_cpu, int8_mm_cpu, pack_int4_for_cpu
 from minfer.formats.weights import (INT4_GROUP_SIZES, dequantize_int4, dequantize_int8, pack_int4,
                                   quantize_int4_groupwise, quantize_int8_per_channel)
@@ -183,8 +184,9 @@ def quantize_model(model: nn.Module, method: str, group_size: Optional[int] = No
     """Replace the model's linear layers with quantized ones, in place; returns the model.
 
     method: "int8" (per output channel), "int4" (group-wise round-to-nearest; group_size 32, 64 or
-    128, default the largest that divides the model's sizes), "awq" (int4 after folding
-    activation-aware scales into the float model, `minfer.quant.awq`) or "gptq" (int4 codes chosen
+    128, default the largest that divides the model's sizes), "nf4" (QLoRA's NormalFloat, an absmax
+    per block of group_size inputs, `minfer.quant.nf4`; the reference matmul, any backend), "awq"
+    (int4 after folding activation-aware scales into the float model, `minfer.quant.awq`) or "gptq" (int4 codes chosen
     by GPTQ, `minfer.quant.gptq`; with gptq_after_awq, on the matrices after AWQ's scales; with
     gptq_desc_act, in activation order on static groups). "awq"
     and "gptq" need calibration_token_ids, e.g. `minfer.quant.awq.calibration_token_ids(tokenizer)`.
@@ -219,6 +221,8 @@ def quantize_model(model: nn.Module, method: str, group_size: Optional[int] = No
                     quantized = Int8Linear.from_linear(linear, backend)
                 elif method == "gptq":
                     quantized = Int4Linear.from_packed(*codes[i, linear_name], linear.bias, backend)
+                elif method == "nf4":
+                    quantized = Nf4Linear.from_linear(linear, group_size)
                 else:
                     quantized = Int4Linear.from_linear(linear, group_size, backend)
                 setattr(block, linear_name, quantized)

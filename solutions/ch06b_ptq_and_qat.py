@@ -1,0 +1,112 @@
+"""Chapter 06b, worked: post-training quantization (GPTQ) and quantization-aware training, NF4."""
+from __future__ import annotations
+
+import torch
+
+
+# -------------------- GPTQ: round a column, push its error onto the columns not yet rounded
+
+
+def inverse_hessian_cholesky(hessian: torch.Tensor, damping: float = 0.01) -> torch.Tensor:
+    """The upper Cholesky factor U of (H + damping * mean(diag H) * I)^-1, so that U.T @ U = H^-1."""
+    eye = torch.eye(hessian.shape[0], dtype=hessian.dtype)
+    inverse = torch.linalg.inv(hessian + damping * hessian.diagonal().mean() * eye)
+    return torch.linalg.cholesky(inverse, upper=True)
+
+
+def gptq_column_update(w: torch.Tensor, u: torch.Tensor, i: int, rounded: torch.Tensor) -> torch.Tensor:
+    """One GPTQ step on w [out, in] (float, columns < i already rounded): column i becomes `rounded` [out],
+    and its error, divided by U[i, i], moves the columns after i by -error * U[i, i+1:] / U[i, i].
+
+    Returns a new matrix; w itself is left unchanged.
+    """
+    w = w.clone()
+    error = (w[:, i] - rounded) / u[i, i]
+    w[:, i] = rounded
+    w[:, i + 1:] -= error[:, None] * u[i, i + 1:][None]
+    return w
+
+
+def round_to_grid(column: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """The nearest value of each row's int4 grid (q * scale + minimum, q in 0..15) for one column [out]."""
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return torch.round((column - minimum) / safe).clamp(0, 15) * scale + minimum
+
+
+def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int) -> torch.Tensor:
+    """int4 with GPTQ's codes, returned dequantized [out, in]: columns in order; each group's grid
+    (scale = (max - min) / 15, minimum = min per row) from the weights as the updates left them when
+    the group's first column is reached; then every column rounded and its error pushed on."""
+    w = w.float().clone()
+    u = inverse_hessian_cholesky(hessian.float())
+    for i in range(w.shape[1]):
+        if i % group_size == 0:
+            group = w[:, i:i + group_size]
+            minimum = group.amin(dim=1)
+            scale = (group.amax(dim=1) - minimum) / 15
+        w = gptq_column_update(w, u, i, round_to_grid(w[:, i], scale, minimum))
+    return w
+
+
+# -------------------- NF4: 16 levels at normal quantiles, an absmax per block
+
+
+def nf4_levels() -> torch.Tensor:
+    """QLoRA's 16 NF4 levels, ascending, in [-1, 1] with an exact 0: 8 positive normal quantiles of
+    probabilities linspace(0.9677083, 0.5, 9)[:-1], 7 negative ones of linspace(0.9677083, 0.5, 8)[:-1],
+    and 0, all divided by the largest."""
+    quantile = lambda p: torch.special.ndtri(p)
+    positive = quantile(torch.linspace(0.9677083, 0.5, 9, dtype=torch.float64)[:-1])
+    negative = -quantile(torch.linspace(0.9677083, 0.5, 8, dtype=torch.float64)[:-1])
+    levels = torch.cat([positive, torch.zeros(1, dtype=torch.float64), negative]).sort().values
+    return (levels / levels.max()).float()
+
+
+def quantize_nf4(w: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (codes uint8 [out, in] in 0..15, absmax float32 [out, in // block_size]): each weight's
+    code is the index of the level nearest to w / absmax of its block. An all-zero block: absmax 0, code 7 (0.0).
+    Raise ValueError if in is not a multiple of block_size."""
+    out_features, in_features = w.shape
+    if in_features % block_size:
+        raise ValueError(f"in_features {in_features} is not a multiple of block_size {block_size}")
+    blocks = w.float().reshape(out_features, -1, block_size)
+    absmax = blocks.abs().amax(dim=-1)
+    safe = torch.where(absmax == 0, torch.ones_like(absmax), absmax)
+    normalized = blocks / safe[..., None]
+    codes = (normalized[..., None] - nf4_levels()).abs().argmin(dim=-1)
+    return codes.reshape(out_features, in_features).to(torch.uint8), absmax
+
+
+def dequantize_nf4(codes: torch.Tensor, absmax: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The float32 matrix [out, in] that NF4 codes stand for: levels[code] * absmax of the block."""
+    out_features, in_features = codes.shape
+    values = nf4_levels()[codes.long()].reshape(out_features, -1, block_size)
+    return (values * absmax[..., None]).reshape(out_features, in_features)
+
+
+# -------------------- QAT: fake quantization with a straight-through gradient
+
+
+def fake_quantize_int4(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """What int4 round-to-nearest in groups (chapter 06's grid) stores for w, as floats [out, in]."""
+    groups = w.float().reshape(w.shape[0], -1, group_size)
+    minimum = groups.amin(dim=-1, keepdim=True)
+    scale = (groups.amax(dim=-1, keepdim=True) - minimum) / 15
+    return round_to_grid(groups, scale, minimum).reshape(w.shape)
+
+
+def straight_through(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Forward: fake_quantize_int4(w). Backward: the identity (the gradient reaches w unchanged)."""
+    return w + (fake_quantize_int4(w.detach(), group_size) - w).detach()
+
+
+class FakeQuantLinear(torch.nn.Module):
+    """A bias-free linear layer that trains a float weight [out, in] but always multiplies by its int4 rounding."""
+
+    def __init__(self, weight: torch.Tensor, group_size: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.detach().clone().float())
+        self.group_size = group_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ straight_through(self.weight, self.group_size).T
