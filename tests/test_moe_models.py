@@ -152,8 +152,8 @@ def test_unsupported_variants_say_what_is_missing(checkpoint):
         hf_config_to_model_config({**hf, "num_experts_per_tok": 5})
 
 
-@pytest.mark.parametrize("quantization", ["int8", "awq"])
-def test_quantizing_an_moe_model_is_refused(checkpoint, quantization):
+@pytest.mark.parametrize("args", [dict(quantization="int8"), dict(quantization="awq"), dict(tensor_parallel_size=2)])
+def test_what_moe_models_cannot_do_yet_is_refused(checkpoint, args):
     folder, _ = checkpoint("mixtral-4x2")
     with pytest.raises(ValueError, match="mixture-of-experts"):
-        LLM(folder, quantization=quantization, num_gpu_blocks_override=16)
+        LLM(folder, num_gpu_blocks_override=16, **args)
