@@ -1,6 +1,6 @@
 """Small models with random weights, for tests and for benchmarks on machines without the model file.
 
-Three builders, one per kind of model a test needs:
+The builders, one per kind of model a test needs:
 
 * `random_checkpoint(folder, shape)`: a Hugging Face folder of the given shape (`MODEL_SHAPES`:
   SmolLM2-135M's, or a tiny one) with a word-level tokenizer of one token per id. Needs nothing
@@ -9,6 +9,9 @@ Three builders, one per kind of model a test needs:
 * `tiny_hf_checkpoint(folder, tokenizer, "llama" | "qwen2", tie)`: a tiny transformers model
   (Llama or Qwen2, biases made to matter) saved beside a real tokenizer, usually SmolLM2's: for
   tests that compare against transformers or feed real text.
+* `tiny_moe_checkpoint(folder, tokenizer, "mixtral" | "qwen2_moe" | "qwen3_moe" | "qwen3", ...)`: the same
+  for the mixture-of-experts families (and dense Qwen3), routers scaled so that routing matters;
+  `word_tokenizer(vocab_size)` gives it a tokenizer of the right size.
 * `tiny_llama(seed)`: a tiny `LlamaModel` built in memory, no folder, no tokenizer.
 
 The tests' shared fixtures around them live in `tests/conftest.py`.
