@@ -102,7 +102,7 @@ class TensorParallelWorkers:
     """Rank 0's side: starts ranks 1..N-1, builds its own shard, sends each step, stops them."""
 
     def __init__(self, loaded, config: EngineConfig, attention: str) -> None:
-        n = self.world_size = config.tensor_parallel_size
+        n = config.tensor_parallel_size
         shard_config = shard_model_config(loaded.config, n)
         group_size = resolve_group_size(loaded.config, config.quantization_group_size) if config.quantization == "int4" else None
         self.device = torch.device("cuda", 0) if config.device.type == "cuda" else config.device
