@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue
 import socket
 import threading
 import time
@@ -108,10 +109,10 @@ class TensorParallelWorkers:
         self.device = torch.device("cuda", 0) if config.device.type == "cuda" else config.device
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         port, context = free_port(), mp.get_context("spawn")  # a fresh interpreter: no threads or CUDA state forked
-        self.processes = []
+        self.processes, ready = [], context.Queue()
         for rank in range(1, n):  # they load while rank 0 builds its own shard
             args = (rank, n, port, backend, shard_config, shard_weights(loaded.weights, rank, n), config.dtype,
-                    config.quantization, group_size, attention, os.getpid(), torch.get_num_threads())
+                    config.quantization, group_size, attention, os.getpid(), torch.get_num_threads(), ready)
             process = context.Process(target=worker_main, args=args, daemon=True, name=f"minfer-tp-rank{rank}")
             process.start()
             self.processes.append(process)
@@ -119,6 +120,7 @@ class TensorParallelWorkers:
         self.stats = CommStats()
         self.model = build_shard(shard_config, shard_weights(loaded.weights, 0, n), config.dtype, self.device,
                                  config.quantization, group_size, attention, self.stats)
+        wait_until_ready(self.processes, ready)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=n, timeout=TIMEOUT)
 
     def send(self, message) -> None:
@@ -132,6 +134,18 @@ class TensorParallelWorkers:
     def shutdown(self) -> None:
         """Stop the workers now (also done when this object is collected, and at exit)."""
         self._stopper()
+
+
+def wait_until_ready(processes: list, ready) -> None:
+    """Wait for every worker's shard, however long a busy machine takes, but not for a worker that died."""
+    pending = {p.name for p in processes}
+    while pending:
+        try:
+            pending.discard(ready.get(timeout=1.0))
+        except queue.Empty:
+            for p in processes:
+                if p.name in pending and not p.is_alive():
+                    raise RuntimeError(f"tensor-parallel worker {p.name} exited with code {p.exitcode} while starting")
 
 
 def stop_workers(processes: list, device: torch.device) -> None:
@@ -172,7 +186,7 @@ class ParallelModelRunner(ModelRunner):
 
 def worker_main(rank: int, world_size: int, port: int, backend: str, config: ModelConfig, weights: dict,
                 dtype: torch.dtype, quantization: Optional[str], group_size: Optional[int], attention: str,
-                parent_pid: int, num_threads: int) -> None:
+                parent_pid: int, num_threads: int, ready) -> None:
     """Ranks 1..N-1: build the shard, then run every step rank 0 sends until it sends None."""
     torch.set_num_threads(num_threads)  # as many as rank 0 uses
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
@@ -181,6 +195,7 @@ def worker_main(rank: int, world_size: int, port: int, backend: str, config: Mod
         torch.cuda.set_device(device)
     model = build_shard(config, weights, dtype, device, quantization, group_size, attention, CommStats())
     del weights
+    ready.put(mp.current_process().name)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=TIMEOUT)
     pool, bucket_widths, no_logits = None, False, torch.zeros(0, dtype=torch.long, device=device)
