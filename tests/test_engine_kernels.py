@@ -1,5 +1,5 @@
 """The engine on its Triton path (as on CUDA) gives the same tokens as its gather path, with the
-KV pool in the model's dtype and in int8.
+KV pool in the model's dtype, in int8 and in fp8 (e4m3, its scales calibrated as the engine is built).
 
 Run in a fresh process with TRITON_INTERPRET=1, so the kernels execute on the CPU under Triton's
 interpreter; a tiny random model keeps it quick.
@@ -35,7 +35,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", pytest.param("fp8", marks=pytest.mark.slow)])
 def test_engine_kernel_path_matches_gather_path(kv_cache_dtype):
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-c", SCRIPT, kv_cache_dtype], env=env, capture_output=True, text=True, timeout=600)
