@@ -49,6 +49,9 @@ def main(argv=None) -> int:
     parser.add_argument("--update-docs", nargs="?", const=str(DOCS_PAGE), default=None, metavar="PATH",
                         help="replace the quantization section of docs/benchmarks.md (or PATH)")
     parser.add_argument("--render", metavar="JSON", help="only rebuild the table from a saved JSON")
+    parser.add_argument("--docs-section", default="bench_quant", help="the marked section of the docs page to "
+                        "replace (bench_quant_4bit: issue 12's run of the 4-bit targets)")
+    parser.add_argument("--plot", metavar="PNG", help="draw perplexity increase against weight bytes, every row a point")
     parser.add_argument("--merge", metavar="JSON", help="measure only --configs, put their rows into this saved "
                         "JSON's (same preset), and write the result there and to the docs")
     args = parser.parse_args(argv)
@@ -70,8 +73,11 @@ def main(argv=None) -> int:
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(result, indent=2))
+    if args.plot:
+        qb.plot_tradeoff(result).savefig(args.plot, dpi=110, bbox_inches="tight")
     if args.update_docs:
-        write_docs_section(markdown, args.update_docs, qb.DOCS_START, qb.DOCS_END,
+        write_docs_section(markdown, args.update_docs, f"<!-- {args.docs_section}:start -->",
+                           f"<!-- {args.docs_section}:end -->",
                             heading="## Quantization: quality, bytes and speed", intro=INTRO)
     return 0
 

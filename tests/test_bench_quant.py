@@ -46,8 +46,9 @@ def test_quick_run_on_a_tiny_model(tiny_dir, monkeypatch, tmp_path):
     rows = {r["config"]: r for r in result["rows"]}
     assert rows["none"]["ppl_change"] == 0.0 and rows["none"]["greedy_agreement"] == 1.0
     # every configuration is measured, but int4 in groups of 128, which do not divide the hidden size 64
-    assert list(result["skipped"]) == ["int4 g128"] and "hidden_size 64" in result["skipped"]["int4 g128"]
-    assert list(rows) == [c for c in qb.CONFIGS if c != "int4 g128"]
+    assert list(result["skipped"]) == ["int4 g128", "qat g64"] and "hidden_size 64" in result["skipped"]["int4 g128"]
+    assert "train_qat.py" in result["skipped"]["qat g64"]  # a checkpoint of smollm2-135m only
+    assert list(rows) == [c for c in qb.CONFIGS if c not in ("int4 g128", "qat g64")]
     for r in rows.values():
         # a random model predicts nearly uniformly: perplexity near the vocabulary size (exactly it if uniform)
         assert VOCAB / 3 < r["perplexity"] < 3 * VOCAB
@@ -62,7 +63,8 @@ def test_quick_run_on_a_tiny_model(tiny_dir, monkeypatch, tmp_path):
                       "int4 g32": LINEAR_PARAMS // 2 + 4 * LINEAR_PARAMS // 32}
     expected_bytes.update({"int8 KV": expected_bytes["none"], "fp8 KV": expected_bytes["none"], "awq g64": expected_bytes["int4 g64"],
                            "awq g32": expected_bytes["int4 g32"], "int8 weights + int8 KV": expected_bytes["int8 weights"],
-                           "int4 g64 + int8 KV": expected_bytes["int4 g64"], "gptq g64": expected_bytes["int4 g64"]})
+                           "int4 g64 + int8 KV": expected_bytes["int4 g64"], "gptq g64": expected_bytes["int4 g64"],
+                           "nf4 b64": LINEAR_PARAMS // 2 + 2 * LINEAR_PARAMS // 64})  # a float16 absmax per 64
     assert {name: r["linear_bytes"] for name, r in rows.items()} == expected_bytes
     assert rows["int8 weights"]["linear_bytes_ratio_vs_bf16"] == pytest.approx(2 * LINEAR_PARAMS / expected_bytes["int8 weights"])
     # KV per token: K and V x 2 layers x 2 KV heads x (16 float32 values, 16 int8 values and a float32 scale,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import gc
 import tempfile
 import time
+from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -33,6 +34,7 @@ from minfer.bench.generate import best_of, make_prompts, time_minfer
 from minfer.evaluate import EVAL_PROMPTS, eval_set_info, greedy_agreement, greedy_reference, perplexity
 from minfer.llm import LLM
 from minfer.quant import linear_weight_bytes
+from minfer.quant.qat import default_checkpoint_dir
 
 DOCS_START = "<!-- bench_quant:start -->"
 DOCS_END = "<!-- bench_quant:end -->"
@@ -50,6 +52,10 @@ CONFIGS = {
     "awq g32": {"quantization": "awq", "quantization_group_size": 32},
     # int4 with GPTQ's codes (after AWQ's scales, in activation order: `minfer.quant.gptq`)
     "gptq g64": {"quantization": "gptq", "quantization_group_size": 64},
+    "nf4 b64": {"quantization": "nf4", "quantization_group_size": 64},  # QLoRA's NormalFloat, absmax per 64
+    # plain int4 g64 of weights fine-tuned with fake quantization (`minfer.quant.qat`): the checkpoint
+    # benchmarks/train_qat.py writes, of smollm2-135m only
+    "qat g64": {"model": str(default_checkpoint_dir())},
     "int8 weights + int8 KV": {"quantization": "int8", "kv_cache_dtype": "int8"},
     "int4 g64 + int8 KV": {"quantization": "int4", "quantization_group_size": 64, "kv_cache_dtype": "int8"},
 }
@@ -59,6 +65,7 @@ HONEST = ("none", "int8 weights", "int4 g64", "awq g64", "gptq g64", "int4 g32",
 TARGETS = {"ppl": {"int8 weights": 0.01, "int4 g64": 0.05, "awq g64": 0.05, "gptq g64": 0.05, "int8 KV": 0.005,
                    "fp8 KV": 0.01},
            "scrambled_ppl": {"gptq g64": 0.08},
+           "recovered": {"qat g64": ("int4 g64", 0.5)},
            "bytes": {"int8 weights": 1.9, "int4 g64": 3.5, "gptq g64": 3.5}, "llama_cpp": 0.75}
 
 PRESETS = {
@@ -211,8 +218,15 @@ def run_quant_benchmark(model: str = "smollm2-135m", dtype: str = "bfloat16", de
 def _measure(name: str, model: str, dtype: str, device: str, reference, preset: dict, speed: bool, skipped: dict,
              log, label: str = "") -> Optional[dict]:
     key = f"{name} ({label})" if label else name
+    arguments = dict(CONFIGS[name])
+    checkpoint = arguments.pop("model", None)  # a row that is a saved checkpoint of the model (qat g64)
     try:
-        llm = _make_llm(model, dtype, device, CONFIGS[name])
+        if checkpoint is not None:
+            if model != "smollm2-135m" or not Path(checkpoint, "config.json").exists():
+                raise ValueError(f"needs {checkpoint}, which `python benchmarks/train_qat.py` writes "
+                                 f"(fine-tuned from smollm2-135m only)")
+            model = checkpoint
+        llm = _make_llm(model, dtype, device, arguments)
     except ValueError as exc:  # e.g. a group size that does not divide this model's sizes
         skipped[key] = str(exc)
         log(f"skipped {key}: {exc}")
@@ -284,6 +298,12 @@ def check_targets(result: dict) -> list[dict]:
         value = scrambled[name]["ppl_change"] if name in scrambled else None
         checks.append({"target": f"{name}: perplexity increase ≤ {limit:.1%} on the scrambled model", "value": value,
                        "format": "pct", "passed": None if value is None else value <= limit})
+    for name, (base, limit) in TARGETS["recovered"].items():  # the share of base's increase that name removes
+        value = None  # from each row's change against its own run's "none" (rows merged from several runs)
+        if {name, base} <= set(rows) and rows[base]["ppl_change"] > 0:
+            value = (rows[base]["ppl_change"] - rows[name]["ppl_change"]) / rows[base]["ppl_change"]
+        checks.append({"target": f"{name}: recovers ≥ {limit:.0%} of {base}'s perplexity increase", "value": value,
+                       "format": "share_pct", "passed": None if value is None else value >= limit})
     for name, limit in TARGETS["bytes"].items():
         value = rows[name]["linear_bytes_ratio_vs_bf16"] if name in rows else None
         checks.append({"target": f"{name}: linear weight bytes ≥ {limit}× smaller than bfloat16", "value": value,
@@ -302,7 +322,7 @@ def check_targets(result: dict) -> list[dict]:
 def _fmt(value, kind: str) -> str:
     if value is None:
         return "–"
-    return {"pct": f"{value:+.2%}", "x": f"{value:.2f}×", "ppl": f"{value:.3f}", "share": f"{value:.3f}",
+    return {"pct": f"{value:+.2%}", "share_pct": f"{value:.1%}", "x": f"{value:.2f}×", "ppl": f"{value:.3f}", "share": f"{value:.3f}",
             "mb": f"{value / 1e6:.1f}", "tps": f"{value:.1f}", "b": f"{value:.0f}"}[kind]
 
 
@@ -339,3 +359,25 @@ def format_markdown(result: dict, command: Optional[str] = None) -> str:
     for extra in result.get("merged_commands", []):
         lines += [f"Rows added by: `{extra}` (with \"none\" measured again: their Δ is against that run's own)"]
     return "\n".join(lines) + "\n"
+
+
+def plot_tradeoff(result: dict, figure=None):
+    """Perplexity increase against the decoder layers' weight bytes, one point per format (a Figure, no pyplot).
+
+    KV-cache rows sit at their weight format's bytes: they trade KV bytes per token, not weight bytes."""
+    from matplotlib.figure import Figure
+
+    figure = figure or Figure(figsize=(7.5, 4.5))
+    ax = figure.subplots()
+    for i, r in enumerate(r for r in result["rows"] if " + " not in r["config"]):  # combinations: in the table
+        kv = r["kv_bytes_per_token"] < next(x["kv_bytes_per_token"] for x in result["rows"] if x["config"] == "none")
+        ax.scatter(r["linear_bytes"] / 1e6, 100 * r["ppl_change"], marker="^" if kv else "o",
+                   color="tab:orange" if kv else "tab:blue")
+        ax.annotate(r["config"], (r["linear_bytes"] / 1e6, 100 * r["ppl_change"]), fontsize=8,
+                    xytext=(5, -10 + 9 * (i % 3)), textcoords="offset points")  # staggered: close points
+    ax.set_xlabel("decoder weight bytes (MB; bfloat16 = the 'none' row)")
+    ax.set_ylabel("perplexity increase (%)")
+    ax.set_title(f"{result['model']}: bytes vs quality (triangles: a quantized KV cache)")
+    ax.axhline(0, color="gray", lw=0.5)
+    ax.grid(alpha=0.3)
+    return figure
