@@ -85,10 +85,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(default_checkpoint_dir()), help="the QAT int4 checkpoint to write")
     parser.add_argument("--json", dest="json_path", help="write the measurements here (e.g. docs/qat.json)")
     parser.add_argument("--trainable", default="qkv_proj,down_proj", help=f"matrices to train, of {LINEAR_NAMES}")
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=5e-5)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--watch-every", type=int, default=40,
                         help="every so many steps, the fake-quantized model's perplexity on 512 evaluation tokens")
     parser.add_argument("--no-sensitivity", action="store_true", help="skip step 1")
