@@ -49,7 +49,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from minfer.config import DTYPES, INT4_METHODS, QUANTIZATION_METHODS
+from minfer.config import DTYPES, INT4_METHODS
 from minfer.models.llama import LlamaModel
 from minfer.models.loader import LoadedModel, load_model, save_hf_checkpoint
 from minfer.quant.awq import LAYER_LINEARS, calibration_token_ids
@@ -90,8 +90,8 @@ def check_quantization_config(entry, model_config, where: str) -> None:
     if entry["format_version"] != FORMAT_VERSION:
         raise ValueError(f"{where}: format_version must be {FORMAT_VERSION}, got {entry['format_version']!r}")
     method = entry["method"]
-    if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"{where}: method must be one of {QUANTIZATION_METHODS}, got {method!r}")
+    if method not in SAVED_METHODS:
+        raise ValueError(f"{where}: method must be one of {SAVED_METHODS}, got {method!r}")
     if method in INT4_METHODS and entry["group_size"] not in allowed_group_sizes(model_config):
         raise ValueError(f"{where}: group_size must be one of {allowed_group_sizes(model_config)} for this model, "
                          f"got {entry['group_size']!r}")
