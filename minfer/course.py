@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Optional
@@ -58,6 +58,7 @@ class TestResult:
     name: str
     outcome: str  # "passed" | "failed" | "error" | "skipped"
     message: str = ""
+    properties: dict[str, str] = field(default_factory=dict)  # what a test recorded, e.g. a measured speedup
 
 
 def run_tests(paths: list[str], impl: str, timeout: float = 600) -> list[TestResult]:
@@ -65,7 +66,7 @@ def run_tests(paths: list[str], impl: str, timeout: float = 600) -> list[TestRes
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.xml")
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths,
-               f"--impl={impl}", f"--junitxml={report}"]
+               f"--impl={impl}", f"--junitxml={report}", "-o", "junit_family=xunit1"]  # xunit1 keeps record_property
         proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
         if not os.path.exists(report):  # pytest stopped before running anything (a usage error)
             raise RuntimeError(f"pytest did not run:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -80,7 +81,8 @@ def _parse_junit(path: str) -> list[TestResult]:
             if child.tag in ("failure", "error", "skipped"):
                 outcome = {"failure": "failed"}.get(child.tag, child.tag)
                 message = (child.get("message") or child.text or "").strip()
-        results.append(TestResult(case.get("name", "?"), outcome, message))
+        properties = {p.get("name"): p.get("value") for p in case.iter("property")}  # pytest's record_property
+        results.append(TestResult(case.get("name", "?"), outcome, message, properties))
     return results
 
 
@@ -97,4 +99,6 @@ def check(chapter: str, impl: Optional[str] = None) -> bool:
         mark = "ok  " if r.outcome == "passed" else r.outcome.upper()
         first_line = r.message.splitlines()[0][:100] if r.message else ""
         print(f"  {mark:<7} {r.name}" + (f"  ({first_line})" if first_line else ""))
+        for name, value in r.properties.items():  # e.g. on CUDA: your kernel's speedup over the reference
+            print(f"          {name}: {value}")
     return bool(results) and passed == len(results)
