@@ -40,7 +40,7 @@ from torch import nn
 
 from minfer.evaluate import EVAL_TOPICS, context_windows, eval_text
 from minfer.quant.awq import LAYER_LINEARS, fake_quantize_int4
-from minfer.spec.distill import distillation_loss, final_hidden
+from minfer.spec.distill import distillation_loss, final_hidden, run_training
 
 QAT_GROUP_SIZE = 64
 LINEAR_NAMES = tuple(name for _, name in LAYER_LINEARS)
@@ -157,24 +157,14 @@ def train_qat(model: nn.Module, teacher: nn.Module, params: list[nn.Parameter], 
     if steps <= 0 or lr <= 0:
         raise ValueError(f"steps and lr must be positive, got steps={steps!r}, lr={lr!r}")
     opt = torch.optim.Adam(params, lr=lr)
-    schedule = lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     model.train()
-    losses: list[float] = []
-    while len(losses) < steps:
-        for ids in batches:
-            with torch.no_grad():
-                target = logits_of(teacher, ids, bf16)
-            loss = distillation_loss(logits_of(model, ids, bf16), target)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            losses.append(loss.item())
-            if on_step is not None:
-                on_step(len(losses), losses[-1])
-            if len(losses) == steps:
-                break
+
+    def batch_loss(ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            target = logits_of(teacher, ids, bf16)
+        return distillation_loss(logits_of(model, ids, bf16), target)
+
+    losses = run_training(opt, batches, steps, warmup, batch_loss, on_step)
     model.eval()
     return losses
 

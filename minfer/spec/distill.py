@@ -164,18 +164,33 @@ def train_draft(draft: DraftModel, batches: Iterable[tuple[torch.Tensor, torch.T
     params = [p for name, p in draft.named_parameters() if not name.startswith("embed_tokens")]
     draft.embed_tokens.weight.requires_grad_(False)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    draft.train()
+
+    def batch_loss(batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        ids, values, indices = batch
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = draft.lm_head(final_hidden(draft, ids))
+        return distillation_loss(logits, values, indices)
+
+    return run_training(opt, batches, steps, warmup, batch_loss, on_step, clip=params)
+
+
+def run_training(opt: torch.optim.Optimizer, batches: Iterable, steps: int, warmup: int,
+                 batch_loss: Callable[[object], torch.Tensor], on_step: Optional[Callable[[int, float], None]] = None,
+                 clip: Optional[list[nn.Parameter]] = None) -> list[float]:
+    """The loop every training in minfer shares (the draft's distillation, quantization-aware fine-tuning):
+    cycle `batches` until `steps` optimizer steps are done, the learning rate warming up linearly for `warmup`
+    steps and decaying along a cosine; clip: parameters whose gradient norm is clipped to 1. Returns each loss."""
     schedule = lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-    draft.train()
     losses: list[float] = []
     while len(losses) < steps:
-        for ids, values, indices in batches:
-            with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16):
-                logits = draft.lm_head(final_hidden(draft, ids))
-            loss = distillation_loss(logits, values, indices)
+        for batch in batches:
+            loss = batch_loss(batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(clip, 1.0)
             opt.step()
             sched.step()
             losses.append(loss.item())
