@@ -72,6 +72,23 @@ class PreparedStep:
                 and len(self.sampled) == len(self.paged.slices) and all(not s.spec_token_ids for s, _ in self.sampled))
 
 
+def max_usable_blocks(config: EngineConfig) -> int:
+    """The most KV blocks the engine can hold at once: max_num_seqs sequences of max_model_len tokens, each
+    with room for its speculative guesses. A bigger pool would only sit idle."""
+    per_sequence = config.max_model_len + (config.num_speculative_tokens or 0) + 1
+    return config.max_num_seqs * -(-per_sequence // config.block_size)
+
+
+@torch.inference_mode()
+def profile_forward(model: torch.nn.Module, tokens: int, max_model_len: int) -> None:
+    """One forward pass over `tokens` tokens without a KV cache: the largest step's activations, for
+    measuring their peak memory. Positions wrap at max_model_len: a step may hold more tokens than one
+    sequence may (several sequences), but no position may pass the model's rotary table."""
+    device = model.embed_tokens.weight.device
+    positions = torch.arange(tokens, device=device) % max_model_len
+    model(torch.zeros(1, tokens, dtype=torch.long, device=device), positions[None])
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, config: EngineConfig, use_kernels: Optional[bool] = None) -> None:
         """use_kernels: attend with the Triton paged kernels. None (auto): on CUDA, unless the model's
@@ -87,21 +104,22 @@ class ModelRunner:
         self.pad_to_buckets = config.bucket_step_shapes or self.compiled is not None  # a graph per shape needs buckets
 
     def _blocks_for_memory(self) -> int:
-        """How many KV blocks fit the budget. On CUDA: run one full-size step first, then give the
-        cache what is left of utilization x device memory after the weights, that step's peak
-        activations and whatever else holds device memory."""
+        """How many KV blocks fit the budget: kv_cache_memory_bytes if given; on CUDA, run one full-size
+        step first, then give the cache what is left of utilization x device memory after the weights,
+        that step's peak activations and whatever else holds device memory, but no more than the engine
+        can ever fill (`max_usable_blocks`: a second engine in the process, or a second server on the
+        GPU, still finds room); on CPU 1 GiB."""
         config, weight = self.config, self.model.embed_tokens.weight
         per_block = self.model.config.kv_bytes_per_token(weight.dtype, config.kv_cache_dtype) * config.block_size
         memory = config.kv_cache_memory_bytes
         if memory is None and self.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
-            tokens = config.max_num_batched_tokens
-            self.model(torch.zeros(1, tokens, dtype=torch.long, device=self.device),
-                       torch.arange(tokens, device=self.device)[None])
+            profile_forward(self.model, config.max_num_batched_tokens, config.max_model_len)
             free, total = torch.cuda.mem_get_info(self.device)
             elsewhere = total - free - torch.cuda.memory_reserved(self.device)  # other processes, CUDA context
             memory = int(total * config.gpu_memory_utilization) - torch.cuda.max_memory_allocated(self.device) - elsewhere
+            memory = min(memory, max_usable_blocks(config) * per_block)
         elif memory is None:
             memory = CPU_KV_CACHE_BYTES
         if memory < per_block:

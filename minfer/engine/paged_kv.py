@@ -174,6 +174,7 @@ class PagedStep:
                 self.prefill_lens = torch.tensor([s.context_len for s in self.prefills], dtype=torch.int32, device=device)
                 starts = [s.query_start for s in self.prefills] + [self.decode_start]
                 self.prefill_cu_seqlens = torch.tensor(starts, dtype=torch.int32, device=device)
+                self.prefill_max_q_len = max(s.query_len for s in self.prefills)  # known here: no sync per layer
             if self.decodes:
                 self.decode_tables = tables[split:].to(device)
                 self.decode_lens = torch.tensor([s.context_len for s in self.decodes], dtype=torch.int32, device=device)
@@ -228,7 +229,7 @@ class PagedStep:
         if self.prefills:
             out[:split] = paged_prefill_attention(tokens[:split], k_pool, v_pool, self.prefill_tables,
                                                   self.prefill_cu_seqlens, self.prefill_lens,
-                                                  k_scales=k_scales, v_scales=v_scales)
+                                                  k_scales=k_scales, v_scales=v_scales, max_q_len=self.prefill_max_q_len)
         if self.decodes:
             out[split:] = paged_decode_attention(tokens[split:], k_pool, v_pool, self.decode_tables, self.decode_lens,
                                                  k_scales=k_scales, v_scales=v_scales)

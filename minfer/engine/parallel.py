@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from minfer.config import EngineConfig, ModelConfig
-from minfer.engine.model_runner import ModelRunner, PreparedStep
+from minfer.engine.model_runner import ModelRunner, PreparedStep, profile_forward
 from minfer.engine.paged_kv import KVPool, PagedStep
 from minfer.layers.attention import get_attention_fn
 from minfer.layers.linear import pack_linears
@@ -173,7 +173,7 @@ class ParallelModelRunner(ModelRunner):
 
     def _blocks_for_memory(self) -> int:
         if self.device.type == "cuda" and self.config.kv_cache_memory_bytes is None:
-            self.workers.send(("profile", self.config.max_num_batched_tokens))  # the profiling pass has all-reduces
+            self.workers.send(("profile", self.config.max_num_batched_tokens, self.config.max_model_len))  # the profiling pass has all-reduces
         return super()._blocks_for_memory()
 
     def prepare(self, batch: list[tuple[Sequence, int]]) -> PreparedStep:
@@ -209,8 +209,7 @@ def worker_main(rank: int, world_size: int, port: int, backend: str, config: Mod
             _, num_blocks, block_size, kv_cache_dtype, bucket_widths = message
             pool = KVPool(config, num_blocks, block_size, dtype, device, kv_cache_dtype)
         elif message[0] == "profile":
-            tokens = message[1]
-            model(torch.zeros(1, tokens, dtype=torch.long, device=device), torch.arange(tokens, device=device)[None])
+            profile_forward(model, *message[1:])
         else:  # a step: the same forward as rank 0's; only rank 0 reads logits
             _, input_ids, positions, num_tokens, slices, use_kernels = message
             paged = PagedStep(pool, slices, torch.tensor(positions[:num_tokens]), use_kernels, bucket_widths)

@@ -211,7 +211,8 @@ def load_kv_tile(table_ptr, k_pool_ptr, v_pool_ptr, k_scale_ptr, v_scale_ptr, po
     keep the pools' dtype.
     """
     block = tl.load(table_ptr + positions // BLOCK_SIZE, mask=token_ok, other=0).to(tl.int64)
-    token = block * stride_pool_block + (positions % BLOCK_SIZE) * stride_pool_token + kv_head * stride_pool_head
+    # all in int64: block * stride_pool_block, and in a heads-first pool kv_head * stride_pool_head, pass 2**31 in big pools
+    token = block * stride_pool_block + (positions % BLOCK_SIZE) * stride_pool_token + kv_head.to(tl.int64) * stride_pool_head
     offsets = token[:, None] + dims[None, :]
     mask = token_ok[:, None] & dim_ok[None, :]
     k = tl.load(k_pool_ptr + offsets, mask=mask, other=0.0)
@@ -297,7 +298,7 @@ def _write_kv_kernel(
     mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < head_dim)
 
     src = token * stride_new_token + heads[:, None] * stride_new_head + dims[None, :]
-    dst = block * stride_pool_block + offset * stride_pool_token + heads[:, None] * stride_pool_head + dims[None, :]
+    dst = block * stride_pool_block + offset * stride_pool_token + heads[:, None].to(tl.int64) * stride_pool_head + dims[None, :]
     k = tl.load(k_new_ptr + src, mask=mask)
     v = tl.load(v_new_ptr + src, mask=mask)
     if QUANTIZED:  # int8 pools: one scale per head of this token, from this token's numbers alone

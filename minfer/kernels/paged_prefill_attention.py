@@ -177,12 +177,14 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                             scale: Optional[float] = None, *, block_m: Optional[int] = None,
                             block_n: Optional[int] = None, k_scales: Optional[torch.Tensor] = None,
-                            v_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            v_scales: Optional[torch.Tensor] = None, max_q_len: Optional[int] = None) -> torch.Tensor:
     """The Triton kernel for ``paged_prefill_attention_reference`` (same arguments, same result).
 
     ``block_m`` queries and ``block_n`` keys make one tile (powers of two, at least 16; default:
     ``prefill_tiles``): tuning knobs, independent of the pools' block size. Runs the Triton kernel
     on CUDA tensors or under TRITON_INTERPRET=1; elsewhere falls back to the reference.
+    ``max_q_len``: the longest chunk, from a caller that knows it on the host (the engine): then
+    cu_seqlens_q is trusted as given, and the kernel launches without waiting for the GPU.
     """
     group = check_attention_inputs(q, k_pool, v_pool, block_tables, context_lens, k_scales, v_scales)
     tiles = prefill_tiles(q.dtype)
@@ -193,8 +195,8 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     if not use_triton(q):
         return paged_prefill_attention_reference(q, k_pool, v_pool, block_tables, cu_seqlens_q, context_lens, scale,
                                                  k_scales=k_scales, v_scales=v_scales)
-    # Sizing the grid needs the longest chunk on the host (one sync; an engine would pass it in).
-    max_q_len = max(_check_cu_seqlens(q, cu_seqlens_q, context_lens))
+    if max_q_len is None:  # sizing the grid needs the longest chunk on the host: read it (a sync), checked
+        max_q_len = max(_check_cu_seqlens(q, cu_seqlens_q, context_lens))
     num_heads, head_dim = q.shape[1:]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     out = torch.empty_like(q)

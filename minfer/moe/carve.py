@@ -76,7 +76,7 @@ def balanced_assign(similarity: torch.Tensor, size: int) -> torch.Tensor:
             assignment[row], room[cluster], left = cluster, room[cluster] - 1, left - 1
             if not left:
                 break
-    return torch.tensor(assignment)
+    return torch.tensor(assignment, device=similarity.device)
 
 
 def cluster_neurons(activations: torch.Tensor, num_experts: int, iterations: int = KMEANS_ITERATIONS,
@@ -96,9 +96,9 @@ def cluster_neurons(activations: torch.Tensor, num_experts: int, iterations: int
 
 def fit_router(x: torch.Tensor, targets: torch.Tensor, ridge: float = RIDGE) -> tuple[torch.Tensor, torch.Tensor]:
     """Least squares with a bias: x [T, D] -> targets [T, E]. Returns (weight [E, D], bias [E])."""
-    design = torch.cat([x.double(), torch.ones(len(x), 1, dtype=torch.float64)], dim=1)
+    design = torch.cat([x.double(), torch.ones(len(x), 1, dtype=torch.float64, device=x.device)], dim=1)
     gram = design.T @ design
-    gram += ridge * gram.diagonal().mean() * torch.eye(len(gram), dtype=torch.float64)
+    gram += ridge * gram.diagonal().mean() * torch.eye(len(gram), dtype=torch.float64, device=gram.device)
     solution = torch.linalg.solve(gram, design.T @ targets.double())  # [D + 1, E]
     return solution[:-1].T.float().contiguous(), solution[-1].float().contiguous()
 

@@ -142,6 +142,7 @@ def finish_qat(model: nn.Module) -> nn.Module:
 
 def logits_of(model: nn.Module, input_ids: torch.Tensor, bf16: bool = False) -> torch.Tensor:
     """Next-token logits [batch, seq, vocab] at every position, with autograd (bf16: autocast matmuls)."""
+    input_ids = input_ids.to(model.embed_tokens.weight.device)  # training rows are made on the CPU
     with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
         hidden = final_hidden(model, input_ids)
         return F.linear(hidden, model.lm_head.weight).float()  # not lm_head(): a packed head has no backward
@@ -176,7 +177,7 @@ def model_perplexity(model: nn.Module, token_ids: list[int], window: int = 512, 
     does (its context_windows): for watching a training run. Reported numbers use `minfer.evaluate.perplexity`."""
     total, count = 0.0, 0
     for start, end, first in context_windows(len(token_ids), window, stride):
-        ids = torch.tensor([token_ids[start:end]])
+        ids = torch.tensor([token_ids[start:end]], device=model.embed_tokens.weight.device)
         logp = F.log_softmax(logits_of(model, ids, bf16)[0, first - start - 1:-1], dim=-1)
         total -= logp.gather(-1, ids[0, first - start:, None]).sum().item()
         count += end - first

@@ -208,12 +208,13 @@ def greedy_acceptance(draft: DraftModel, target: LlamaModel, input_ids: torch.Te
     rate alpha of greedy speculative decoding when input_ids is the target's own greedy text
     (then every context the draft sees while drafting is one the target produced).
     score_mask [batch, seq] picks the positions that count (default: all)."""
+    input_ids = input_ids.to(target.embed_tokens.weight.device)
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
     wanted = target(input_ids, positions, last_only=False).argmax(-1)
     proposed = draft.head_token_ids[draft(input_ids, positions, last_only=False).argmax(-1)]
     hits = wanted == proposed
     if score_mask is not None:
-        hits = hits[score_mask]
+        hits = hits[score_mask.to(hits.device)]
     return hits.float().mean().item()
 
 
@@ -264,7 +265,7 @@ def load_draft(name_or_path: str, target: LlamaModel, dtype: torch.dtype = torch
     embedding = target.embed_tokens
     draft.embed_tokens = nn.Embedding(0, target.config.hidden_size)  # so .to() cannot convert the target's
     draft = draft.to(device=device, dtype=dtype)
-    if embedding.weight.dtype == dtype and embedding.weight.device == torch.device(device):
+    if embedding.weight.dtype == dtype and embedding.weight.device == draft.lm_head.weight.device:  # cuda == cuda:0
         draft.embed_tokens = embedding  # one copy of the 49152 x 576 table serves both models
     else:
         draft.embed_tokens = nn.Embedding.from_pretrained(embedding.weight.detach().to(device=device, dtype=dtype))
