@@ -1,23 +1,33 @@
 #!/usr/bin/env bash
-# The course on a CUDA machine: every notebook executed on the GPU with the real model, then the random-weight
-# generation benchmark and the Triton kernel tests. One command, within 10 minutes (TOTAL_LIMIT, 540 s).
+# The course on a CUDA machine in one command of under 10 minutes (TOTAL_LIMIT, 500 s, leaves the rest of a
+# 600 s call for packing the results): each chapter's GPU cells with the real model, the random-weight
+# generation benchmark, the Triton kernel tests and benchmarks, eager vs compiled decode steps; whole notebooks
+# only when asked for (PARTS), when a session has time for them.
 #
-#   benchmarks/gpu_check.sh OUT_DIR     # OUT_DIR/{env.txt, summary.md, summary.json, notebooks/*.ipynb, figures/*.png,
-#                                       #          gpu/*.json, bench_generate.*, kernel_tests.log, bench_kernels.*, bench_compiled.*}
+#   benchmarks/gpu_check.sh OUT_DIR     # OUT_DIR/{env.txt, summary.md, gpu/*.json, gpu-cells/{summary.*, notebooks/*.ipynb,
+#                                       #   figures/*.png}, bench_generate.*, kernel_tests.log, bench_kernels.*,
+#                                       #   bench_compiled.*, and with PARTS=notebooks whole-notebooks/ as gpu-cells/}
 #
 # Needs python with torch (CUDA build), transformers, triton, nbclient and ipykernel; minfer is used from this
 # checkout (no install). docs/gpu.md says how the real model's file and the missing packages reach a device machine.
-# Parts (PARTS, in this order):
-#   notebooks  every chapter (benchmarks/run_notebooks.py, MINFER_IMPL=solutions, NB_TIMEOUT seconds each): the
-#              executed copies and their figures go to OUT_DIR, never over the course notebooks; each chapter's GPU
-#              cell stores its figures in OUT_DIR/gpu/, copied to docs/gpu/ when DEVICE is cuda;
+# Parts (PARTS, default "gpu-cells bench kernels compiled"; they run in this order):
+#   gpu-cells  in every chapter (NOTEBOOKS), only its GPU cells (those that call gpu_cell) and the cells they
+#              need (benchmarks/run_notebooks.py --cells gpu, MINFER_IMPL=solutions, NB_TIMEOUT seconds per
+#              notebook): executed copies, their figures and summary in OUT_DIR/gpu-cells/ (never over the course
+#              notebooks); a chapter without a GPU cell is listed as "no gpu cell"; the GPU cells store their
+#              figures in OUT_DIR/gpu/, copied to docs/gpu/ when DEVICE is cuda;
 #   bench      the generation benchmark on random weights of the model's shapes (saved as a Hugging Face checkpoint
 #              with a stand-in tokenizer; speed depends on the shapes only);
 #   kernels    (CUDA) the Triton kernel tests without the interpreter, and their bandwidth share (PEAK_GBPS, 4800);
-#   compiled   (CUDA) eager vs compiled decode steps.
-# Each part's time limit is cut to what is left of TOTAL_LIMIT; a part with under 20 s left is skipped.
+#   compiled   (CUDA) eager vs compiled decode steps;
+#   notebooks  (optional, not in the default PARTS: when a session has time for it) every cell of every chapter,
+#              into OUT_DIR/whole-notebooks/ as gpu-cells does, with the time left (its GPU cells' figures
+#              replace gpu-cells' in OUT_DIR/gpu/).
+# The notebook parts leave the time the later asked-for parts need (about 4 minutes with bench, kernels and
+# compiled); every other part's limit is cut to what is left of TOTAL_LIMIT; a part with under 20 s left is
+# skipped. OUT_DIR/summary.md gathers the notebook parts' tables, also when the script is stopped by a signal.
 # Overrides (the CPU rehearsal and its test use them): PYTHON, DEVICE (cuda; cpu: a rehearsal, whose GPU cells
-# measure on the CPU with small settings), PARTS, NOTEBOOKS (paths), NB_TIMEOUT (150), TOTAL_LIMIT (540),
+# measure on the CPU with small settings), PARTS, NOTEBOOKS (paths), NB_TIMEOUT (150), TOTAL_LIMIT (500),
 # SHAPES (smollm2-135m), BENCH_ARGS (extra arguments for `python -m minfer bench`), TIME_LIMIT (the bench's, 120).
 set -euo pipefail
 
@@ -26,9 +36,9 @@ PYTHON=${PYTHON:-python}
 DEVICE=${DEVICE:-cuda}
 SHAPES=${SHAPES:-smollm2-135m}
 TIME_LIMIT=${TIME_LIMIT:-120}
-TOTAL_LIMIT=${TOTAL_LIMIT:-540}
+TOTAL_LIMIT=${TOTAL_LIMIT:-500}
 NB_TIMEOUT=${NB_TIMEOUT:-150}
-PARTS=" ${PARTS:-notebooks bench kernels compiled} "
+PARTS=" ${PARTS:-gpu-cells bench kernels compiled} "
 read -r -a EXTRA <<< "${BENCH_ARGS:-}"
 
 mkdir -p "$OUT"
@@ -64,6 +74,9 @@ PY
 cat "$OUT/env.txt"
 
 status=0
+# Each command's limit; --foreground keeps it in this script's process group, so that a signal to the group
+# (an outer `timeout`, as docs/gpu.md's device command has) stops it at once, and the EXIT trap still runs.
+TIMEOUT=(timeout --foreground -k 10)
 left() { echo $(( TOTAL_LIMIT - SECONDS )); }
 limit() { local l; l=$(left); echo $(( $1 < l ? $1 : l )); }  # a part's limit, cut to what is left
 part() {  # part NAME: is it asked for, and is there time left for it?
@@ -71,22 +84,39 @@ part() {  # part NAME: is it asked for, and is there time left for it?
     if [ "$(left)" -lt 20 ]; then echo "gpu_check: no time left for $1 (TOTAL_LIMIT=$TOTAL_LIMIT)"; status=1; return 1; fi
 }
 
-if part notebooks; then
-    if [ -n "${NOTEBOOKS:-}" ]; then read -r -a BOOKS <<< "$NOTEBOOKS"; else BOOKS=(notebooks/[0-9]*.ipynb); fi
-    rm -rf "$OUT/gpu" && mkdir -p "$OUT/gpu"
-    rehearse=0; hide=()
-    [[ "$DEVICE" == cuda* ]] || { rehearse=1; hide=(env CUDA_VISIBLE_DEVICES=); }  # a rehearsal runs on the CPU
-    # the budget left after the other parts' share (kernel tests and benchmarks need about 4 minutes)
-    share=$(left); [[ "$PARTS" == " notebooks " ]] || share=$(( share - 240 ))
+if [ -n "${NOTEBOOKS:-}" ]; then read -r -a BOOKS <<< "$NOTEBOOKS"; else BOOKS=(notebooks/[0-9]*.ipynb); fi
+rm -rf "$OUT/gpu" "$OUT/gpu-cells" "$OUT/whole-notebooks" "$OUT/summary.md" && mkdir -p "$OUT/gpu"
+rehearse=0; hide=()
+[[ "$DEVICE" == cuda* ]] || { rehearse=1; hide=(env CUDA_VISIBLE_DEVICES=); }  # a rehearsal runs on the CPU
+summarize() {  # OUT/summary.md: the notebook parts' tables (also on the way out after a signal)
+    local dir
+    for dir in gpu-cells whole-notebooks; do
+        if [ -f "$OUT/$dir/summary.md" ]; then printf '## %s\n\n%s\n\n' "$dir" "$(cat "$OUT/$dir/summary.md")"; fi
+    done > "$OUT/summary.md"
+    [ -s "$OUT/summary.md" ] || rm -f "$OUT/summary.md"
+}
+trap summarize EXIT
+trap 'exit 143' TERM
+trap 'exit 130' INT
+notebooks() {  # notebooks NAME CELLS SHARE: run_notebooks.py into OUT/NAME within SHARE seconds
     MINFER_IMPL=solutions MINFER_GPU_FIGURES="$OUT/gpu" MINFER_GPU_REHEARSE=$rehearse \
-        "${hide[@]}" timeout "$(( share + 30 ))" "$PYTHON" benchmarks/run_notebooks.py "$OUT" "${BOOKS[@]}" --budget "$NB_TIMEOUT" \
-        --total "$share" 2>&1 | tee "$OUT/notebooks.log" || status=$?
+        "${hide[@]}" "${TIMEOUT[@]}" "$(( $3 + 30 ))" "$PYTHON" benchmarks/run_notebooks.py "$OUT/$1" "${BOOKS[@]}" \
+        --cells "$2" --budget "$NB_TIMEOUT" --total "$3" 2>&1 | tee "$OUT/$1.log" || status=$?
     if [[ "$DEVICE" == cuda* ]] && compgen -G "$OUT/gpu/*.json" > /dev/null; then
         mkdir -p docs/gpu && cp "$OUT"/gpu/*.json docs/gpu/  # on the device's copy of the tree; bring them back from OUT
     fi
+    summarize
+}
+reserve=0  # the time the bench, kernels and compiled parts usually take, when they will run (after gpu-cells)
+[[ "$PARTS" == *" bench "* ]] && reserve=$(( reserve + 60 ))
+[[ "$DEVICE" == cuda* && "$PARTS" == *" kernels "* ]] && reserve=$(( reserve + 120 ))
+[[ "$DEVICE" == cuda* && "$PARTS" == *" compiled "* ]] && reserve=$(( reserve + 60 ))
+
+if part gpu-cells; then
+    notebooks gpu-cells gpu "$(( $(left) - reserve ))"
 fi
 if part bench; then
-    timeout "$(limit "$TIME_LIMIT")" "$PYTHON" -m minfer bench --random-weights "$SHAPES" --device "$DEVICE" \
+    "${TIMEOUT[@]}" "$(limit "$TIME_LIMIT")" "$PYTHON" -m minfer bench --random-weights "$SHAPES" --device "$DEVICE" \
         --dtypes float32 bfloat16 --batch-sizes 1 16 --max-tokens 64 --prompt-len 64 --repeats 3 --floor-steps 50 \
         --json "$OUT/bench_generate.json" --markdown "$OUT/bench_generate.md" --no-progress "${EXTRA[@]}" \
         2>&1 | tee "$OUT/bench_generate.log" || status=$?
@@ -95,15 +125,18 @@ if [[ "$DEVICE" == cuda* ]] && part kernels; then
     # The Triton kernels compiled, never interpreted: every variant for sm_80/sm_90 within its shared memory
     # and registers, each kernel against its reference on this GPU (test_kernel_compile.py runs the int8-KV
     # and quantized-matmul ones, which their own test files interpret), then their share of bandwidth.
-    env -u TRITON_INTERPRET timeout "$(limit 150)" "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_kernel_compile.py \
+    env -u TRITON_INTERPRET "${TIMEOUT[@]}" "$(limit 150)" "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_kernel_compile.py \
         tests/test_kernels.py tests/test_fused_moe.py 2>&1 | tee "$OUT/kernel_tests.log" || status=$?
-    timeout "$(limit 60)" "$PYTHON" benchmarks/bench_kernels.py --peak-gbps "${PEAK_GBPS:-4800}" --json "$OUT/bench_kernels.json" \
+    "${TIMEOUT[@]}" "$(limit 60)" "$PYTHON" benchmarks/bench_kernels.py --peak-gbps "${PEAK_GBPS:-4800}" --json "$OUT/bench_kernels.json" \
         2>&1 | tee "$OUT/bench_kernels.log" || status=$?
 fi
 if [[ "$DEVICE" == cuda* ]] && part compiled; then
     # The engine's decode step eager vs through torch.compile (enforce_eager), on the paged pool and kernels.
-    timeout "$(limit 120)" "$PYTHON" benchmarks/bench_compiled.py --random-weights "$SHAPES" --device "$DEVICE" \
+    "${TIMEOUT[@]}" "$(limit 120)" "$PYTHON" benchmarks/bench_compiled.py --random-weights "$SHAPES" --device "$DEVICE" \
         --dtypes bfloat16 --batch-sizes 1 16 --json "$OUT/bench_compiled.json" 2>&1 | tee "$OUT/bench_compiled.log" || status=$?
+fi
+if part notebooks; then  # whole notebooks, with whatever time is left
+    notebooks whole-notebooks all "$(left)"
 fi
 [ -f "$OUT/summary.md" ] && cat "$OUT/summary.md"
 echo "gpu_check: results in $OUT after ${SECONDS} s (exit $status)"

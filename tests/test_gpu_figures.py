@@ -41,3 +41,16 @@ def test_bad_figures_are_refused(tmp_path):
     (tmp_path / "ch99.json").write_text(json.dumps({"chapter": "ch99"}))
     with pytest.raises(ValueError, match="lacks"):
         gf.load_figures("ch99", tmp_path)
+
+
+def test_a_plot_is_shown_as_a_png_whatever_the_kernel_has_set_up(tmp_path, monkeypatch, capsys):
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", shown.append)
+    figures = gf.make_figures("ch99", "t", {"batch": [1, 2], "tokens/s": [3.0, 4.0]}, plot={"x": "batch", "y": ["tokens/s"]})
+    gf.show_figures("ch99", tmp_path, figures)
+    assert len(shown) == 1 and isinstance(shown[0], IPython.display.Image)
+    assert shown[0].data.startswith(b"\x89PNG") and shown[0]._repr_png_()
+    gf.show_figures("ch99", tmp_path, dict(figures, plot=None))
+    assert len(shown) == 1  # no plot asked for, none shown

@@ -14,6 +14,7 @@ minfer.bench, the folder is passed in (a notebook passes "../docs/gpu"), never d
 """
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -128,10 +129,19 @@ def show_figures(chapter: str, folder: Union[str, Path], figures: Optional[dict]
         return None
     print(format_figures(figures))
     if figures.get("plot"):
-        from IPython.display import display
+        from IPython.display import Image, display
 
-        display(plot_figures(figures))
+        # as a PNG, not the Figure: a kernel shows a Figure as an image only once pyplot has set up its inline
+        # backend, which a GPU cell run without the cells before it (run_notebooks.py --cells gpu) may not have
+        display(Image(data=figure_png(plot_figures(figures))))
     return figures
+
+
+def figure_png(fig, dpi: int = 100) -> bytes:
+    """The figure as PNG bytes."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi, bbox_inches="tight")
+    return buffer.getvalue()
 
 
 def gpu_cell(chapter: str, title: str, measure: Callable[[], dict[str, list]], folder: Union[str, Path],

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import builtins
 import json
 import os
 import re
@@ -41,7 +40,6 @@ import signal
 import socket
 import subprocess
 import sys
-import symtable
 import tempfile
 import time
 import urllib.request
@@ -50,14 +48,15 @@ import warnings
 import nbformat
 from nbformat.sign import NotebookNotary
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 
-from IPython.core.inputtransformer2 import TransformerManager
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from playwright.sync_api import sync_playwright
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # minfer from this checkout, as the notebooks use it
+from minfer.bench.notebook_cells import calls, code_cells, needed_cells, python_source, recorded_seconds  # noqa: E402
+
 CHROMIUM_ARGS = [  # the closed network refuses Chromium's background connections: don't make them
     "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
     "--disable-component-update", "--disable-sync",
@@ -95,37 +94,6 @@ class NotebookPlan:
         return f"widgets in {self.widget_cells} as saved: cells {self.needed_cells} would take too long ({took})"
 
 
-def cell_source(cell: dict) -> str:
-    return "".join(cell["source"])
-
-
-def recorded_seconds(cell: dict) -> float | None:
-    """How long the cell ran when the notebook was last executed (nbclient records the times), if known."""
-    times = cell.get("metadata", {}).get("execution", {})
-    if "iopub.execute_input" not in times or "shell.execute_reply" not in times:
-        return None
-    start, end = (datetime.fromisoformat(times[k].replace("Z", "+00:00")) for k in ("iopub.execute_input", "shell.execute_reply"))
-    return (end - start).total_seconds()
-
-
-def python_source(cell: dict) -> str:
-    """The cell as plain Python (IPython magics turned into calls), so that ast and symtable can read it."""
-    return TransformerManager().transform_cell(cell_source(cell))
-
-
-def defined_and_read(source: str) -> tuple[set[str], set[str]]:
-    """The global names a cell binds, and the global names it reads that it does not bind itself."""
-    table = symtable.symtable(source, "<cell>", "exec")
-    defined = {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported()}
-    read = {s.get_name() for s in table.get_symbols() if s.is_referenced()}
-    pending = list(table.get_children())
-    while pending:  # names that functions and classes look up in the notebook's namespace
-        scope = pending.pop()
-        read |= {s.get_name() for s in scope.get_symbols() if s.is_global() and s.is_referenced()}
-        pending += scope.get_children()
-    return defined, read - defined - set(dir(builtins))
-
-
 def ipywidgets_names(tree: ast.AST) -> set[str]:
     """The names an import statement binds to ipywidgets or anything imported from it."""
     names = set()
@@ -137,49 +105,23 @@ def ipywidgets_names(tree: ast.AST) -> set[str]:
     return names
 
 
-def calls_widgets(tree: ast.AST, widget_names: set[str]) -> bool:
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call):
-            func = node.func
-            while isinstance(func, ast.Attribute):
-                if func.attr in WIDGET_CALLS:
-                    return True
-                func = func.value
-            if isinstance(func, ast.Name) and (func.id in widget_names or func.id in WIDGET_CALLS):
-                return True
-    return False
-
-
 def plan_notebook(path: Path, live_budget_s: float) -> NotebookPlan:
     cells = json.loads(path.read_text())["cells"]
     plan = NotebookPlan(path, cells)
-    code = [i for i, c in enumerate(cells) if c["cell_type"] == "code"]
+    code = code_cells(cells)
     sources = {i: python_source(cells[i]) for i in code}
     trees = {i: ast.parse(sources[i]) for i in code}
-    names = {i: defined_and_read(sources[i]) for i in code}
     widget_names = set().union(*(ipywidgets_names(t) for t in trees.values()))
-    plan.widget_cells = [i for i in code if calls_widgets(trees[i], widget_names)]
+    plan.widget_cells = [i for i in code if calls(trees[i], WIDGET_CALLS | widget_names)]
     plan.slider_cells = [i for i in plan.widget_cells if "Slider" in sources[i]]
     plan.image_cells = [i for i in code
                         if any("image/png" in out.get("data", {}) for out in cells[i].get("outputs", []))]
     plan.image_cells += [i for i in plan.widget_cells if re.search(r"\bplt\.", sources[i]) and i not in plan.image_cells]
     plan.image_cells.sort()
-
-    # The first code cell sets the notebook up (imports, threads, %matplotlib); then every cell that last
-    # defined a name a needed cell reads, transitively.
-    needed, pending = set(code[:1]), list(plan.widget_cells)
-    while pending:
-        cell = pending.pop()
-        if cell in needed:
-            continue
-        needed.add(cell)
-        for name in names[cell][1]:
-            earlier = [i for i in code if i < cell and name in names[i][0]]
-            if earlier:
-                pending.append(earlier[-1])
     if not plan.widget_cells:
         return plan
-    plan.needed_cells = sorted(needed)
+    # The first code cell and every cell that last defined a name a needed cell reads, transitively.
+    plan.needed_cells = needed_cells(cells, plan.widget_cells)
     seconds = [recorded_seconds(cells[i]) for i in plan.needed_cells]
     plan.needed_seconds = None if None in seconds else sum(seconds)
     if plan.needed_seconds is not None and plan.needed_seconds <= live_budget_s:
