@@ -23,7 +23,7 @@
 #   notebooks  (optional, not in the default PARTS: when a session has time for it) every cell of every chapter,
 #              into OUT_DIR/whole-notebooks/ as gpu-cells does, with the time left (its GPU cells' figures
 #              replace gpu-cells' in OUT_DIR/gpu/).
-# The notebook parts leave the time the later asked-for parts need (about 4 minutes with bench, kernels and
+# gpu-cells leaves the time the later asked-for parts usually need (4 minutes on CUDA with bench, kernels and
 # compiled); every other part's limit is cut to what is left of TOTAL_LIMIT; a part with under 20 s left is
 # skipped. OUT_DIR/summary.md gathers the notebook parts' tables, also when the script is stopped by a signal.
 # Overrides (the CPU rehearsal and its test use them): PYTHON, DEVICE (cuda; cpu: a rehearsal, whose GPU cells
