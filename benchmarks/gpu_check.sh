@@ -18,13 +18,14 @@
 #              figures in OUT_DIR/gpu/, copied to docs/gpu/ when DEVICE is cuda;
 #   bench      the generation benchmark on random weights of the model's shapes (saved as a Hugging Face checkpoint
 #              with a stand-in tokenizer; speed depends on the shapes only);
-#   kernels    (CUDA) the Triton kernel tests without the interpreter, and their bandwidth share (PEAK_GBPS, 4800);
+#   kernels    (CUDA) the Triton kernel tests without the interpreter, chapter 03's exercise tests with the worked
+#              kernels (the learner's kernel timed: OUT_DIR/ch03_exercise.xml), their bandwidth share (PEAK_GBPS, 4800);
 #   compiled   (CUDA) eager vs compiled decode steps;
 #   notebooks  (optional, not in the default PARTS: when a session has time for it) every cell of every chapter,
 #              into OUT_DIR/whole-notebooks/ as gpu-cells does, with the time left (its GPU cells' figures
 #              replace gpu-cells' in OUT_DIR/gpu/).
-# gpu-cells leaves the time the later asked-for parts usually need (4 minutes on CUDA with bench, kernels and
-# compiled); every other part's limit is cut to what is left of TOTAL_LIMIT; a part with under 20 s left is
+# gpu-cells leaves the time the later asked-for parts usually need (4.5 minutes on CUDA with bench, kernels
+# and compiled); every other part's limit is cut to what is left of TOTAL_LIMIT; a part with under 20 s left is
 # skipped. OUT_DIR/summary.md gathers the notebook parts' tables, also when the script is stopped by a signal.
 # Overrides (the CPU rehearsal and its test use them): PYTHON, DEVICE (cuda; cpu: a rehearsal, whose GPU cells
 # measure on the CPU with small settings), PARTS, NOTEBOOKS (paths), NB_TIMEOUT (150), TOTAL_LIMIT (500),
@@ -109,7 +110,7 @@ notebooks() {  # notebooks NAME CELLS SHARE: run_notebooks.py into OUT/NAME with
 }
 reserve=0  # the time the bench, kernels and compiled parts usually take, when they will run (after gpu-cells)
 [[ "$PARTS" == *" bench "* ]] && reserve=$(( reserve + 60 ))
-[[ "$DEVICE" == cuda* && "$PARTS" == *" kernels "* ]] && reserve=$(( reserve + 120 ))
+[[ "$DEVICE" == cuda* && "$PARTS" == *" kernels "* ]] && reserve=$(( reserve + 150 ))
 [[ "$DEVICE" == cuda* && "$PARTS" == *" compiled "* ]] && reserve=$(( reserve + 60 ))
 
 if part gpu-cells; then
@@ -127,6 +128,11 @@ if [[ "$DEVICE" == cuda* ]] && part kernels; then
     # and quantized-matmul ones, which their own test files interpret), then their share of bandwidth.
     env -u TRITON_INTERPRET "${TIMEOUT[@]}" "$(limit 150)" "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_kernel_compile.py \
         tests/test_kernels.py tests/test_fused_moe.py 2>&1 | tee "$OUT/kernel_tests.log" || status=$?
+    # chapter 03's exercise tests with the worked kernels: on CUDA one of them times the learner's kernel against
+    # the gather reference (its speedup is a property in the JUnit file, as check("ch03") prints it)
+    env -u TRITON_INTERPRET MINFER_IMPL=solutions "${TIMEOUT[@]}" "$(limit 60)" "$PYTHON" -m pytest -q -p no:cacheprovider \
+        tests/exercises/test_ch03_paged_attention.py --junitxml "$OUT/ch03_exercise.xml" 2>&1 | tee -a "$OUT/kernel_tests.log" \
+        || status=$?
     "${TIMEOUT[@]}" "$(limit 60)" "$PYTHON" benchmarks/bench_kernels.py --peak-gbps "${PEAK_GBPS:-4800}" --json "$OUT/bench_kernels.json" \
         2>&1 | tee "$OUT/bench_kernels.log" || status=$?
 fi
