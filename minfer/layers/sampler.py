@@ -33,13 +33,14 @@ def sample_next_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
     Each row draws from its own generator, so a seeded request gets the same tokens whatever
     else shares the batch.
     """
-    greedy = logits.argmax(dim=-1).tolist()
-    tokens = []
-    for row, (p, gen) in enumerate(zip(params, generators)):
-        if p.greedy:
-            tokens.append(greedy[row])
-            continue
-        filtered = filter_logits(logits[row], p.temperature, p.top_k, p.top_p, p.min_p)
-        probs = torch.softmax(filtered, dim=-1)
-        tokens.append(int(torch.multinomial(probs.cpu(), 1, generator=gen)))
+    tokens = logits.argmax(dim=-1).tolist()
+    sampled = [row for row, p in enumerate(params) if not p.greedy]
+    if sampled:
+        # The draws use CPU generators (a seed gives the same tokens on any device): the sampled rows'
+        # probabilities come over in one copy, not one per row (each copy from a GPU waits for it).
+        probs = torch.stack([torch.softmax(filter_logits(logits[row], params[row].temperature, params[row].top_k,
+                                                         params[row].top_p, params[row].min_p), dim=-1)
+                             for row in sampled]).cpu()
+        for row, row_probs in zip(sampled, probs):
+            tokens[row] = int(torch.multinomial(row_probs, 1, generator=generators[row]))
     return tokens
