@@ -23,6 +23,8 @@ from packaging.requirements import Requirement
 
 NEEDED = ("nbclient", "ipykernel", "ipywidgets", "gguf", "fastapi", "uvicorn", "openai")
 DEVICE_PYTHON = "3.12"
+DEVICE_MARKERS = {"extra": "", "python_version": DEVICE_PYTHON, "python_full_version": DEVICE_PYTHON + ".0",
+                  "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64"}
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 # The Python packages of the nvidia-h200 image, as read there on 2026-11-17 (the device tool's KINDS.md).
 DEVICE_IMAGE = set("""
@@ -70,7 +72,7 @@ def dependency_closure(roots: tuple[str, ...] = NEEDED) -> dict[str, str]:
         found[name] = dist.version
         for line in dist.requires or []:
             requirement = Requirement(line)
-            if requirement.marker is None or requirement.marker.evaluate({"extra": "", "python_version": DEVICE_PYTHON}):
+            if requirement.marker is None or requirement.marker.evaluate(DEVICE_MARKERS):
                 pending.append(requirement.name)
     return found
 

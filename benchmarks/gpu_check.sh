@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The course on a CUDA machine in one command of under 10 minutes (TOTAL_LIMIT, 500 s, leaves the rest of a
 # 600 s call for packing the results): each chapter's GPU cells with the real model, the random-weight
-# generation benchmark, the Triton kernel tests and benchmarks, eager vs compiled decode steps; whole notebooks
+# generation benchmark, the Triton kernel tests and benchmarks; eager vs compiled decode steps and whole notebooks
 # only when asked for (PARTS), when a session has time for them.
 #
 #   benchmarks/gpu_check.sh OUT_DIR     # OUT_DIR/{env.txt, summary.md, gpu/*.json, gpu-cells/{summary.*, notebooks/*.ipynb,
@@ -10,7 +10,7 @@
 #
 # Needs python with torch (CUDA build), transformers, triton, nbclient and ipykernel; minfer is used from this
 # checkout (no install). docs/gpu.md says how the real model's file and the missing packages reach a device machine.
-# Parts (PARTS, default "gpu-cells bench kernels compiled"; they run in this order):
+# Parts (PARTS, default "gpu-cells bench kernels"; they run in this order):
 #   gpu-cells  in every chapter (NOTEBOOKS), only its GPU cells (those that call gpu_cell) and the cells they
 #              need (benchmarks/run_notebooks.py --cells gpu, MINFER_IMPL=solutions, NB_TIMEOUT seconds per
 #              notebook): executed copies, their figures and summary in OUT_DIR/gpu-cells/ (never over the course
@@ -20,15 +20,15 @@
 #              with a stand-in tokenizer; speed depends on the shapes only);
 #   kernels    (CUDA) the Triton kernel tests without the interpreter, chapter 03's exercise tests with the worked
 #              kernels (the learner's kernel timed: OUT_DIR/ch03_exercise.xml), their bandwidth share (PEAK_GBPS, 4800);
-#   compiled   (CUDA) eager vs compiled decode steps;
+#   compiled   (CUDA; optional, not in the default PARTS) eager vs compiled decode steps;
 #   notebooks  (optional, not in the default PARTS: when a session has time for it) every cell of every chapter,
 #              into OUT_DIR/whole-notebooks/ as gpu-cells does, with the time left (its GPU cells' figures
 #              replace gpu-cells' in OUT_DIR/gpu/).
-# gpu-cells leaves the time the later asked-for parts usually need (4.5 minutes on CUDA with bench, kernels
-# and compiled); every other part's limit is cut to what is left of TOTAL_LIMIT; a part with under 20 s left is
+# gpu-cells leaves the time the later asked-for parts usually need (bench 60 s, on CUDA kernels 200 s and
+# compiled 60 s), and is skipped with under 20 s of its own; every other part's limit is cut to what is left of TOTAL_LIMIT; a part with under 20 s left is
 # skipped. OUT_DIR/summary.md gathers the notebook parts' tables, also when the script is stopped by a signal.
 # Overrides (the CPU rehearsal and its test use them): PYTHON, DEVICE (cuda; cpu: a rehearsal, whose GPU cells
-# measure on the CPU with small settings), PARTS, NOTEBOOKS (paths), NB_TIMEOUT (150), TOTAL_LIMIT (500),
+# measure on the CPU with small settings), PARTS, NOTEBOOKS (paths), NB_TIMEOUT (90), TOTAL_LIMIT (500),
 # SHAPES (smollm2-135m), BENCH_ARGS (extra arguments for `python -m minfer bench`), TIME_LIMIT (the bench's, 120).
 set -euo pipefail
 
@@ -38,8 +38,8 @@ DEVICE=${DEVICE:-cuda}
 SHAPES=${SHAPES:-smollm2-135m}
 TIME_LIMIT=${TIME_LIMIT:-120}
 TOTAL_LIMIT=${TOTAL_LIMIT:-500}
-NB_TIMEOUT=${NB_TIMEOUT:-150}
-PARTS=" ${PARTS:-gpu-cells bench kernels compiled} "
+NB_TIMEOUT=${NB_TIMEOUT:-90}
+PARTS=" ${PARTS:-gpu-cells bench kernels} "
 read -r -a EXTRA <<< "${BENCH_ARGS:-}"
 
 mkdir -p "$OUT"
@@ -110,11 +110,13 @@ notebooks() {  # notebooks NAME CELLS SHARE: run_notebooks.py into OUT/NAME with
 }
 reserve=0  # the time the bench, kernels and compiled parts usually take, when they will run (after gpu-cells)
 [[ "$PARTS" == *" bench "* ]] && reserve=$(( reserve + 60 ))
-[[ "$DEVICE" == cuda* && "$PARTS" == *" kernels "* ]] && reserve=$(( reserve + 150 ))
+[[ "$DEVICE" == cuda* && "$PARTS" == *" kernels "* ]] && reserve=$(( reserve + 200 ))
 [[ "$DEVICE" == cuda* && "$PARTS" == *" compiled "* ]] && reserve=$(( reserve + 60 ))
 
 if part gpu-cells; then
-    notebooks gpu-cells gpu "$(( $(left) - reserve ))"
+    share=$(( $(left) - reserve ))
+    if [ "$share" -ge 20 ]; then notebooks gpu-cells gpu "$share"
+    else echo "gpu_check: no time left for gpu-cells after the later parts' $reserve s (TOTAL_LIMIT=$TOTAL_LIMIT)"; status=1; fi
 fi
 if part bench; then
     "${TIMEOUT[@]}" "$(limit "$TIME_LIMIT")" "$PYTHON" -m minfer bench --random-weights "$SHAPES" --device "$DEVICE" \

@@ -150,6 +150,15 @@ def test_attribute_and_subscript_changes_count_as_definitions():
     assert defined == {"x", "w", "f"} and {"x", "w", "v"} <= read  # (f.v changes only when called)
 
 
+def test_a_name_read_before_the_cell_rebinds_it_comes_from_an_earlier_cell():
+    cells = code("import os", "x = [1]", "y = 2", "x = x + [y]", "print(x)")
+    assert needed_cells(cells, [4]) == [0, 1, 2, 3, 4]
+    cells = code("pass", "n = 1", "n += 1\nm = n", "print(m)")
+    assert needed_cells(cells, [3]) == [0, 1, 2, 3]
+    cells = code("pass", "llm = 1", "llm = 2\nprint(llm)\nsq = [v * v for v in range(3)]\ndef f(a):\n    return a", "f(llm)")
+    assert needed_cells(cells, [3]) == [0, 2, 3]  # bound before it is read, and comprehension/argument names are their own
+
+
 def test_cells_calling_finds_gpu_cells_and_magics_parse():
     cells = code("%matplotlib inline\nimport torch", "from minfer.bench.gpu_figures import gpu_cell",
                  "gpu_cell('ch00', 't', lambda: {}, 'x')", "figures.gpu_cell('ch00')", "gpu_cell_count = 1")

@@ -227,11 +227,9 @@ def test_prefill_kernel_default_tiles_and_half_precision():
     cu_seqlens_q = torch.tensor([0, 70, 79], dtype=torch.int32, device=DEVICE)
     expected = paged_prefill_attention_reference(q, k_pool, v_pool, block_tables, cu_seqlens_q, context_lens)
     assert_close(paged_prefill_attention(q, k_pool, v_pool, block_tables, cu_seqlens_q, context_lens), expected)
-    # the engine passes the longest chunk from the host (no sync): the same result; a grid sized too small is not
+    # the engine passes the longest chunk from the host (no sync): the same result
     assert_close(paged_prefill_attention(q, k_pool, v_pool, block_tables, cu_seqlens_q, context_lens, max_q_len=70),
                  expected)
-    short = paged_prefill_attention(q, k_pool, v_pool, block_tables, cu_seqlens_q, context_lens, max_q_len=9)
-    assert not torch.allclose(short.float(), expected.float(), atol=1e-2)
 
 
 @needs_kernels

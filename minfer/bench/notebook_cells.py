@@ -56,6 +56,53 @@ def mutated_names(tree: ast.AST) -> set[str]:
     return names
 
 
+def read_before_bound(tree: ast.Module) -> set[str]:
+    """The names a cell reads at module level before it binds them itself, so from an earlier cell: x in
+    `x = x + 1`, `x += 1`, `print(x)` followed by `x = 2`. Walked in the order Python runs it (an assignment's
+    value before its targets, a loop's iterable, then its target, then its body); nested scopes (functions,
+    classes, lambdas, comprehensions) are left to symtable: their names are their own, or globals the cell
+    does not bind."""
+    bound: set[str] = set()
+    early: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.Name):
+            if isinstance(node.ctx, ast.Load) and node.id not in bound:
+                early.add(node.id)
+            elif not isinstance(node.ctx, ast.Load):
+                bound.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.AugAssign):
+            visit(node.value)
+            if isinstance(node.target, ast.Name) and node.target.id not in bound:
+                early.add(node.target.id)  # x += 1 reads x first
+            visit(node.target)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr)):
+            if node.value is not None:
+                visit(node.value)
+            for target in getattr(node, "targets", None) or [node.target]:
+                visit(target)
+        elif isinstance(node, (ast.For, ast.AsyncFor)):
+            for part in (node.iter, node.target, *node.body, *node.orelse):
+                visit(part)
+        elif isinstance(node, ast.ExceptHandler):
+            if node.type is not None:
+                visit(node.type)
+            if node.name:
+                bound.add(node.name)
+            for statement in node.body:
+                visit(statement)
+        elif not isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            for child in ast.iter_child_nodes(node):
+                visit(child)
+
+    visit(tree)
+    return early
+
+
 def defined_and_read(source: str) -> tuple[set[str], set[str]]:
     """The global names a cell defines (binds, or mutates through an attribute or subscript), and the global
     names it reads that it does not bind itself (names read inside its functions and classes included)."""
@@ -67,9 +114,11 @@ def defined_and_read(source: str) -> tuple[set[str], set[str]]:
         scope = pending.pop()
         read |= {s.get_name() for s in scope.get_symbols() if s.is_global() and s.is_referenced()}
         pending += scope.get_children()
-    mutated = mutated_names(ast.parse(source))
-    # a mutated name is read too (its earlier value is what changes), unless this cell bound it first
-    return bound | mutated, (read | mutated) - bound - set(dir(builtins))
+    tree = ast.parse(source)
+    mutated = mutated_names(tree)
+    # a mutated name is read too (its earlier value is what changes), unless this cell bound it first; a name
+    # the cell rebinds is read from an earlier cell when it is read before that (`x = x + 1`)
+    return bound | mutated, ((read | mutated) - bound | read_before_bound(tree)) - set(dir(builtins))
 
 
 def recorded_seconds(cell: dict) -> float | None:

@@ -73,8 +73,9 @@ class PreparedStep:
 
 
 def max_usable_blocks(config: EngineConfig) -> int:
-    """The most KV blocks the engine can hold at once: max_num_seqs sequences of max_model_len tokens, each
-    with room for its speculative guesses. A bigger pool would only sit idle."""
+    """The most KV blocks the running sequences can hold at once: max_num_seqs sequences of max_model_len
+    tokens, each with room for its speculative guesses. A bigger pool would only keep more freed blocks for
+    prefix-cache hits."""
     per_sequence = config.max_model_len + (config.num_speculative_tokens or 0) + 1
     return config.max_num_seqs * -(-per_sequence // config.block_size)
 
