@@ -144,6 +144,9 @@ def matmul_floor(model, batch_size: int = 1, steps: int = 32, warmup: int = 3, r
     plain=True calls F.linear on the weights instead, what an engine without prepacking runs.
     Returns a Timing whose TPOT is the best step time over `repeats` runs of `steps` steps: no
     engine with these matmuls decodes faster without reading fewer bytes (an upper bound on tokens/s).
+    On CUDA the step is captured once as a CUDA graph and replayed: launched one by one from Python, 121
+    small matmuls take longer to launch than a GPU takes to read their weights, and the floor would time
+    Python (if capture fails, they are launched one by one, as the engine launches them).
     """
     linears = decode_linears(model)
     weight = linears[0].weight
@@ -160,8 +163,26 @@ def matmul_floor(model, batch_size: int = 1, steps: int = 32, warmup: int = 3, r
         for _ in range(steps):
             step()
 
-    for _ in range(warmup):
-        step()
+    if device.type == "cuda":
+        side = torch.cuda.Stream()  # warm up off the default stream, as CUDA-graph capture wants
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+
+            def run() -> None:
+                for _ in range(steps):
+                    graph.replay()
+        except RuntimeError as exc:  # something in the step cannot be captured: time the launches themselves
+            print(f"matmul floor: no CUDA graph ({str(exc).splitlines()[0]}); timing eager launches")
+    else:
+        for _ in range(warmup):
+            step()
     best = best_time(run, repeats, device) / steps
     return Timing("F.linear floor" if plain else "matmul floor", dtype_name(dtype), batch_size, None, best, steps)
 
@@ -307,7 +328,9 @@ def run_generate_benchmark(model: str = "smollm2-135m", dtypes: Sequence[str] = 
         else:
             folder = hf_checkpoint_for(model, tmp)
         bar.set_postfix_str("memory bandwidth")
-        bandwidth = measure_memory_bandwidth(bandwidth_mb, device=device)
+        # a GPU copies 256 MB in about 0.1 ms, too short to time well: 2 GB there
+        bandwidth = measure_memory_bandwidth(bandwidth_mb if torch.device(device).type == "cpu" else max(bandwidth_mb, 2048),
+                                             device=device)
         bar.update()
         rows: list[Timing] = []
         per_step_bytes = {}

@@ -28,6 +28,7 @@ from typing import Iterator
 
 import torch
 
+from minfer.engine.buckets import TOKEN_BUCKETS
 from minfer.layers.attention import AttentionFn
 from minfer.models.llama import LlamaModel
 
@@ -47,13 +48,14 @@ def active(step, attention_fn: AttentionFn) -> Iterator[None]:
 
 @torch.library.custom_op("minfer::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-    """The active step's attention (its bucket-padding rows come out as zeros)."""
-    return _active["step"].attend(layer, q, k, v, _active["attention_fn"])
+    """The active step's attention (its bucket-padding rows come out as zeros), contiguous: the compiled graph
+    checks the strides its fake promised, and the kernels' output is laid out token by token, not as q."""
+    return _active["step"].attend(layer, q, k, v, _active["attention_fn"]).contiguous()
 
 
 @paged_attention.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, as the real op returns it
 
 
 class _OpaqueCache:
@@ -72,6 +74,8 @@ class CompiledDecode:
         self.model = model
         self.cache = _OpaqueCache()
         options = {"freezing": True} if model.embed_tokens.weight.device.type == "cpu" else {}
+        # one graph per bucket size: Dynamo's default limit (8 recompiles) would leave the larger buckets eager
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(TOKEN_BUCKETS))
         self.forward = torch.compile(self._forward, dynamic=False, options=options)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

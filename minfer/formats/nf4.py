@@ -23,6 +23,8 @@ error is at most half the widest gap (between -1 and -0.696: 0.152 of the absmax
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from minfer.formats.weights import pack_int4, unpack_int4
@@ -69,9 +71,15 @@ def quantize_nf4(w: torch.Tensor, block_size: int = NF4_BLOCK_SIZE) -> tuple[tor
     return pack_int4(q.reshape(out_features, in_features)), absmax
 
 
+@functools.lru_cache(maxsize=None)
+def levels_on(device: torch.device) -> torch.Tensor:
+    """NF4_LEVELS on a device, copied there once (a copy on every call would wait for the GPU each time)."""
+    return NF4_LEVELS.to(device)
+
+
 def round_to_nf4(x: torch.Tensor) -> torch.Tensor:
     """The index (uint8, 0..15) of the NF4 level nearest to each value of x (already divided by absmax)."""
-    levels = NF4_LEVELS.to(x.device)
+    levels = levels_on(x.device)
     midpoints = (levels[1:] + levels[:-1]) / 2
     return torch.bucketize(x.float().contiguous(), midpoints).to(torch.uint8)
 
@@ -81,5 +89,5 @@ def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtyp
     q = unpack_int4(packed)
     out_features, in_features = q.shape
     block_size = in_features // absmax.shape[1]
-    values = NF4_LEVELS.to(packed.device)[q.long()].reshape(out_features, -1, block_size)
+    values = levels_on(packed.device)[q.long()].reshape(out_features, -1, block_size)
     return (values * absmax.float()[..., None]).reshape(out_features, in_features).to(dtype)

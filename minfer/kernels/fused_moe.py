@@ -95,7 +95,8 @@ def align_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int) ->
     flat = expert_ids.reshape(-1).long()
     num_pairs = flat.numel()
     max_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)  # each used expert wastes < 1 block
-    counts = torch.bincount(flat, minlength=num_experts)
+    # (not torch.bincount: on CUDA it reads the ids' min and max back to the host, two syncs per layer)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)  # pair ids, expert by expert, in token order within each

@@ -132,13 +132,14 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, block
     w, hessian = w[:, order], hessian[order][:, order]
     u = inverse_hessian_cholesky(hessian, damping)
     q = torch.zeros(out_features, in_features, dtype=torch.uint8, device=w.device)
+    columns = order.tolist()  # read once: indexing a device tensor per column waits for the GPU each time
     for start in range(0, in_features, block_size):
         end = min(start + block_size, in_features)
         block = w[:, start:end]  # a view: the in-block updates land in w
         errors = torch.zeros_like(block)
         for i in range(end - start):
             column = start + i
-            group = int(order[column]) // group_size
+            group = columns[column] // group_size
             if not desc_act and column % group_size == 0:  # a new group: its grid, from the updated weights
                 _, group_scale, group_min = quantize_int4_groupwise(block[:, i:i + group_size], group_size)
                 scale[:, group], minimum[:, group] = group_scale[:, 0], group_min[:, 0]
