@@ -13,13 +13,13 @@ git-ignored), to be carried to the machine and installed there with `pip install
 from __future__ import annotations
 
 import argparse
-import re
 import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name as canonical  # PEP 503: 'Typing_Extensions' -> 'typing-extensions'
 
 NEEDED = ("nbclient", "ipykernel", "ipywidgets", "gguf", "fastapi", "uvicorn", "openai")
 DEVICE_PYTHON = "3.12"
@@ -49,11 +49,6 @@ tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm tokeniz
 torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope triton typer
 typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp
 """.split())
-
-
-def canonical(name: str) -> str:
-    """PEP 503's normal form: 'Typing_Extensions' -> 'typing-extensions'."""
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def dependency_closure(roots: tuple[str, ...] = NEEDED) -> dict[str, str]:

@@ -35,12 +35,12 @@ def sample_next_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
     """
     tokens = logits.argmax(dim=-1).tolist()
     sampled = [row for row, p in enumerate(params) if not p.greedy]
-    if sampled:
+    probs = [torch.softmax(filter_logits(logits[row], params[row].temperature, params[row].top_k, params[row].top_p,
+                                         params[row].min_p), dim=-1) for row in sampled]
+    if probs and logits.device.type != "cpu":
         # The draws use CPU generators (a seed gives the same tokens on any device): the sampled rows'
         # probabilities come over in one copy, not one per row (each copy from a GPU waits for it).
-        probs = torch.stack([torch.softmax(filter_logits(logits[row], params[row].temperature, params[row].top_k,
-                                                         params[row].top_p, params[row].min_p), dim=-1)
-                             for row in sampled]).cpu()
-        for row, row_probs in zip(sampled, probs):
-            tokens[row] = int(torch.multinomial(row_probs, 1, generator=generators[row]))
+        probs = torch.stack(probs).cpu()
+    for row, row_probs in zip(sampled, probs):
+        tokens[row] = int(torch.multinomial(row_probs, 1, generator=generators[row]))
     return tokens
