@@ -109,10 +109,12 @@ def online_softmax_tile_triton(m: torch.Tensor, l: torch.Tensor, acc: torch.Tens
         @triton.jit
         def _online_softmax_tile_kernel(m_ptr, l_ptr, acc_ptr, scores_ptr, v_ptr, m_out_ptr, l_out_ptr, acc_out_ptr,
                                         n_keys, head_dim, stride_acc_row, stride_scores_row, stride_v_key,
-                                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                                        stride_acc_out_row, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
             ...  # load this row's state, its scores (padding: -inf) and the tile of v (padding: 0), step, store
 
     Mind the padding: a padded key must add nothing, so load its score as -inf and its value as 0.
+    Rows of acc may lie further apart than head_dim (a slice of a wider tensor): read each tensor with its
+    own row stride, and write acc_out with acc_out's.
     """
     raise NotImplementedError("write me")
 

@@ -305,8 +305,8 @@ def test_paged_attention_triton_uses_the_scale(impl, gen, in_a_kernel):
 @runs_kernels
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 def test_paged_attention_split_k_triton_equals_the_reference(impl, gen, in_a_kernel, num_splits):
-    # lengths 1 and 9 leave some of 8 splits empty; 70 with tiles of 4 spreads over all of them
-    q, k_pool, v_pool, tables, lens = paged_batch([1, 9, 70], 6, 2, 24, 8, gen)
+    # lengths 1 and 9 leave some of 8 splits empty; 90 with tiles of 4 fills all 8 (slices of 12 tokens)
+    q, k_pool, v_pool, tables, lens = paged_batch([1, 9, 90], 6, 2, 24, 8, gen)
     expected = paged_decode_attention_reference(q, k_pool, v_pool, tables, lens)
     device_args = (t.to(DEVICE) for t in (q, k_pool, v_pool, tables, lens))
     out = in_a_kernel(impl.paged_attention_split_k_triton, *device_args, num_splits=num_splits, block_n=4)
