@@ -61,3 +61,37 @@ def test_prose(where: str, folder: Path, text: str) -> None:
 def test_the_checks_catch(text: str, complaint: str) -> None:
     with pytest.raises(AssertionError, match=complaint):
         test_prose("00_measure.ipynb cell 0", ROOT / "notebooks", text)
+
+
+def recorded_run_seconds(path: Path) -> float:
+    """The sum of the code cells' run times in the notebook's execution metadata (as nbclient records them)."""
+    from minfer.bench.notebook_cells import recorded_seconds
+
+    times = [recorded_seconds(c) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+    assert all(t is not None for t in times), f"{path.name}: a code cell without its execution times (re-execute it)"
+    return sum(times)
+
+
+def seconds(amount: str, unit: str) -> float:
+    return float(amount) * (60 if unit.startswith("min") else 1)
+
+
+def close_enough(stated: float, recorded: float) -> bool:
+    """A stated time is a rounded figure: within a third, or within 15 s for short runs."""
+    return abs(stated - recorded) <= max(15.0, recorded / 3)
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[nb.stem for nb in NOTEBOOKS])
+def test_stated_run_times_match_the_saved_run(notebook: Path) -> None:
+    """Each chapter's opening and the course map state how long its cells ran: the saved run's own times."""
+    recorded = recorded_run_seconds(notebook)
+    opening = markdown_cells(notebook)[0][1]
+    stated = re.search(r"about ([\d.]+) (s|min)\w* for the cells to run", opening)
+    assert stated, f"{notebook.name}: the first cell does not say 'about N s|min for the cells to run'"
+    assert close_enough(seconds(*stated.groups()), recorded), \
+        f"{notebook.name} says {stated.group(0)!r}; the saved run took {recorded:.0f} s"
+    row = re.search(rf"\[[^\]]+\]\({re.escape(notebook.name)}\)(?:[^|\n]*\|){{4}}\s*([\d.]+) (s|min)\s*\|",
+                    (ROOT / "notebooks" / "README.md").read_text())
+    assert row, f"notebooks/README.md has no 'cells run' entry for {notebook.name}"
+    assert close_enough(seconds(*row.groups()), recorded), \
+        f"notebooks/README.md says {notebook.name} cells run {row.group(1)} {row.group(2)}; the saved run took {recorded:.0f} s"
