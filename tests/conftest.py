@@ -4,6 +4,8 @@ The tiny models are built by `minfer.testing` (one builder per kind); the fixtur
 variant a name, build it once per test process, and never write into it (a test that changes its
 model's files builds its own copy in tmp_path).
 """
+import os
+
 import pytest
 import torch
 
@@ -77,8 +79,10 @@ def hf_reference_model(hf_reference_dir):
 
 
 def pytest_addoption(parser):
-    parser.addoption("--impl", choices=IMPLS, default="solutions",
-                     help="which code the chapter tests check: your exercises/ or the solutions/")
+    # $MINFER_IMPL picks the default, as in the notebooks: MINFER_IMPL=exercises pytest tests/exercises tests yours
+    parser.addoption("--impl", choices=IMPLS, default=os.environ.get("MINFER_IMPL") or "solutions",
+                     help="which code the chapter tests check: your exercises/ or the solutions/ (default: $MINFER_IMPL, "
+                          "else solutions)")
 
 
 def pytest_configure(config):
