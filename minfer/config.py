@@ -134,7 +134,7 @@ class EngineConfig:
     num_speculative_tokens (1-16), both or neither.
 
     enforce_eager: False compiles the decode steps (`minfer.engine.compiled_decode`); True or None
-    (the default) runs every step eagerly: measured on CPU, compiling costs about 40 s and gains
+    (the default) runs every step eagerly: measured on CPU, compiling costs about 30 s and gains
     nothing over the eager step (docs/benchmarks.md); on CUDA it is not measured yet.
 
     tensor_parallel_size: split every layer over this many processes (vLLM's name; `minfer.engine.parallel`).

@@ -123,12 +123,12 @@ def test_all_reduces_two_per_layer_and_step(tp_llm):
     assert stats.all_reduce_seconds > 0 and stats.broadcasts > new_steps
 
 
-@pytest.mark.parametrize("quantization", [pytest.param("int8", marks=pytest.mark.slow), "int4"])
+@pytest.mark.parametrize("quantization", [pytest.param("int8", marks=pytest.mark.slow), "int4", "nf4"])
 def test_quantized_shards(tp_dir, quantization):
-    """Each shard quantized after slicing: close to the quantized one-device model (int4: groups within a
+    """Each shard quantized after slicing: close to the quantized one-device model (int4, nf4: groups within a
     shard are the same groups, int8: a row-parallel shard gets its own per-channel scales)."""
     args = dict(ENGINE, quantization=quantization)
-    if quantization == "int4":
+    if quantization != "int8":
         args["quantization_group_size"] = 32
     one = LLM(tp_dir, **args).generate(prompts()[:4], GREEDY, use_tqdm=False)
     close_live()
@@ -156,8 +156,9 @@ def test_bad_sizes_are_refused_before_any_process_starts(tp_dir):
                           moe_intermediate_size=32, sparse_layers=(1,))
         with pytest.raises(ValueError, match="does not support mixture-of-experts"):
             shard_model_config(moe, 2)
-    with pytest.raises(ValueError, match="int4 group size 64 does not divide a shard"):  # 32 q features per shard
-        LLM(tp_dir, tensor_parallel_size=2, quantization="int4", quantization_group_size=64, **ENGINE)
+    for method in ("int4", "nf4"):  # 32 q features per shard: a block of 64 would straddle two ranks
+        with pytest.raises(ValueError, match=f"{method} group size 64 does not divide a shard"):
+            LLM(tp_dir, tensor_parallel_size=2, quantization=method, quantization_group_size=64, **ENGINE)
     refusals = [(dict(speculative_model="[ngram]", num_speculative_tokens=2), "speculative decoding"),
                 (dict(quantization="awq"), "calibration"), (dict(enforce_eager=False), "compiled decode"),
                 (dict(device="cuda", dtype="float32"), "needs 2 CUDA devices")]

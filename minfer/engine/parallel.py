@@ -27,9 +27,9 @@ bfloat16) vocabulary-parallel is what vLLM does.
 Not supported with N > 1 (each refused with a ValueError): speculative decoding, the calibrated
 quantizations 'awq' and 'gptq' (calibration runs the whole model) and saved quantized checkpoints,
 compiled decode (enforce_eager=False), attention functions other than a backend's name, mixture of
-experts. 'int8' and 'int4' quantize each shard after slicing. One tensor-parallel LLM per process
-at a time (torch.distributed has one default group); workers stop when it is garbage-collected,
-at exit, or if rank 0 dies.
+experts. 'int8', 'int4' and 'nf4' quantize each shard after slicing (the group size must divide a
+shard's inputs). One tensor-parallel LLM per process at a time (torch.distributed has one default
+group); workers stop when it is garbage-collected, at exit, or if rank 0 dies.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from minfer.config import EngineConfig, ModelConfig
+from minfer.config import GROUPED_METHODS, EngineConfig, ModelConfig
 from minfer.engine.model_runner import ModelRunner, PreparedStep, profile_forward
 from minfer.engine.paged_kv import KVPool, PagedStep
 from minfer.layers.attention import get_attention_fn
@@ -74,10 +74,10 @@ def check_tensor_parallel(config: EngineConfig, model_config: ModelConfig, atten
     for what, hit in refused.items():
         if hit:
             raise ValueError(f"tensor_parallel_size={n} does not support {what}")
-    if config.quantization == "int4":
+    if config.quantization in GROUPED_METHODS:
         group = resolve_group_size(model_config, config.quantization_group_size)
         if group not in allowed_group_sizes(shard):
-            raise ValueError(f"int4 group size {group} does not divide a shard's input sizes with tensor_parallel_size="
+            raise ValueError(f"{config.quantization} group size {group} does not divide a shard's input sizes with tensor_parallel_size="
                              f"{n} (hidden {shard.hidden_size}, heads {shard.num_heads * shard.head_dim}, intermediate "
                              f"{shard.intermediate_size}): choose quantization_group_size from {allowed_group_sizes(shard)}")
     if config.device.type == "cuda" and torch.cuda.device_count() < n:
@@ -91,7 +91,7 @@ def build_shard(config: ModelConfig, weights: dict, dtype: torch.dtype, device: 
     """One rank's model: the shard's shape, its weights, quantized after slicing, packed, all-reduces behind."""
     model = LlamaModel.from_weights(config, weights, dtype, device)
     if quantization is not None:
-        quantize_model(model, quantization, group_size if quantization == "int4" else None)
+        quantize_model(model, quantization, group_size)
     if device.type == "cpu":
         pack_linears(model)
     wrap_row_parallel(model, stats)
@@ -105,7 +105,8 @@ class TensorParallelWorkers:
     def __init__(self, loaded, config: EngineConfig, attention: str) -> None:
         n = config.tensor_parallel_size
         shard_config = shard_model_config(loaded.config, n)
-        group_size = resolve_group_size(loaded.config, config.quantization_group_size) if config.quantization == "int4" else None
+        grouped = config.quantization in GROUPED_METHODS
+        group_size = resolve_group_size(loaded.config, config.quantization_group_size) if grouped else None
         self.device = torch.device("cuda", 0) if config.device.type == "cuda" else config.device
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         port, context = free_port(), mp.get_context("spawn")  # a fresh interpreter: no threads or CUDA state forked
