@@ -5,9 +5,11 @@ executes every program instance with numpy: slow, so the shapes here are small, 
 kernels' own code (masks, block-table gathers, online softmax) and catches the same mistakes.
 The interpreter must be switched on before triton is first imported; when another test module got
 there first, the kernel tests are skipped here and run again in a fresh pytest process.
-Tolerances: float32 1e-4 under the interpreter (float32 math throughout) and 5e-3 on CUDA (tl.dot
-rounds float32 inputs to TF32 there); float16 5e-3; bfloat16 2e-2 (CUDA only).
+Tolerances: float32 1e-4, on CUDA too: every tl.dot asks for input_precision="ieee" (checked below), without
+which a GPU rounds float32 operands to TF32 and misses by about 1e-3, a slip the interpreter cannot show;
+float16 5e-3; bfloat16 2e-2 (CUDA only).
 """
+import ast
 import math
 import os
 import runpy
@@ -35,7 +37,7 @@ from minfer.kernels.paged_decode_attention import paged_decode_attention, paged_
 from minfer.kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_reference  # noqa: E402
 from minfer.layers.attention import attention_reference  # noqa: E402
 
-TOLERANCE = {torch.float32: 1e-4 if DEVICE == "cpu" else 5e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 # (num_heads, num_kv_heads, head_dim): GQA groups of 1, 3 and 9; 24 is not a power of two, so the
 # kernels' padded head_dim lanes must be masked correctly.
 HEAD_SHAPES = [(9, 9, 16), (9, 3, 32), (9, 1, 24)]
@@ -78,6 +80,23 @@ def random_contexts(lengths: list[int], num_kv_heads: int, head_dim: int, gen: t
 
 
 # --- the layout ------------------------------------------------------------------------------------
+
+def tl_dots_without_precision(source: str) -> list[int]:
+    """Line numbers of the `tl.dot(...)` calls in source that do not say their input_precision."""
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "dot"
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "tl"
+            and "input_precision" not in {k.arg for k in node.keywords}]
+
+
+def test_every_tl_dot_states_its_precision():
+    """On a GPU a float32 tl.dot rounds its operands to TF32 unless told otherwise; the interpreter computes in
+    float32 either way, so no kernel test on a CPU can notice. Every kernel's tl.dot says input_precision."""
+    kernels = sorted((Path(__file__).resolve().parents[1] / "minfer" / "kernels").glob("*.py"))
+    assert tl_dots_without_precision("acc += tl.dot(a, b)\nacc += tl.dot(a, b, input_precision='ieee')") == [1]
+    missing = {k.name: lines for k in kernels if (lines := tl_dots_without_precision(k.read_text()))}
+    assert not missing, f"tl.dot without input_precision (TF32 on a GPU) at {missing}"
+
 
 def test_slots_follow_the_block_table():
     block_table = torch.tensor([5, 2, -1], dtype=torch.int32)

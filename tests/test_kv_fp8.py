@@ -138,7 +138,7 @@ from minfer.kernels.paged_decode_attention import paged_decode_attention, paged_
 from minfer.kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_reference
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
-tight = 1e-4 if device == "cpu" else 5e-3
+tight = 1e-4  # float32 tl.dot is exact on CUDA too (input_precision="ieee")
 worst = 0.0
 for block_size, (num_heads, num_kv_heads, head_dim) in [(4, (9, 3, 24))]:  # GQA, a head_dim not a power of two
     gen = torch.Generator().manual_seed(block_size)
