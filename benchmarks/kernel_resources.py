@@ -361,7 +361,10 @@ def markdown(rows: list[dict]) -> str:
                  "; ".join(sorted(entry["tiles"]))]
         for arch in archs:
             a = entry["archs"].get(arch)
-            cells += ["compile error", "", ""] if a is None or a["error"] else [
+            if a is None:  # not compiled for this architecture: fp8 pools need sm_89+ (FP8_ARCHS)
+                cells += ["not built", "", ""]
+                continue
+            cells += ["compile error", "", ""] if a["error"] else [
                 f"{a['shared'] / 1024:.1f}", str(a["registers"]), str(a["spill"])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -390,8 +393,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     failed = [r for r in rows if "error" in r or r["problems"]]
     for r in failed:
         print(f"\n{r['kernel']} {r['params']} sm_{r['arch']}: {r.get('error') or '; '.join(r['problems'])}")
-    print(f"\n{len(rows)} compilations ({len(rows) // len(args.archs)} variants x {len(args.archs)} architectures) "
-          f"in {seconds:.0f} s with {args.jobs} processes, triton {triton.__version__}; "
+    variant_count = len({(r["kernel"], json.dumps(r["params"], sort_keys=True)) for r in rows})
+    print(f"\n{len(rows)} compilations of {variant_count} variants for sm_{', sm_'.join(map(str, args.archs))} (fp8 pools "
+          f"for {', '.join(f'sm_{a}' for a in FP8_ARCHS)} only) in {seconds:.0f} s with {args.jobs} processes, "
+          f"triton {triton.__version__}; "
           f"{len(failed)} with errors or problems")
     if args.json:
         Path(args.json).write_text(json.dumps({"triton": triton.__version__, "seconds": seconds, "rows": rows}, indent=1))

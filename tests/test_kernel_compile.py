@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# Compiling 216 kernels takes ~20 s with a warm Triton cache and ~100 s without (2 cores).
+# Compiling 234 kernels takes ~20 s with a warm Triton cache and ~100 s without (2 cores).
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
