@@ -18,7 +18,10 @@ from minfer.config import ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Scale each vector of x [..., dim] to unit root-mean-square, then multiply by weight [dim]."""
+    """Scale each vector of x [..., dim] to unit root-mean-square, then multiply by weight [dim].
+
+    Compute the mean of squares in float32 (16-bit squares lose precision), and return x's dtype.
+    """
     raise NotImplementedError("write me")
 
 
@@ -39,7 +42,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [batch, heads, seq, head_dim] by the angles in cos, sin [batch, seq, head_dim] (or [seq, head_dim]).
 
-    Each pair (a, b) becomes (a cos - b sin, b cos + a sin): a 2-D rotation.
+    Each pair (a, b) becomes (a cos - b sin, b cos + a sin): a 2-D rotation. Returns x's dtype.
     """
     raise NotImplementedError("write me")
 
@@ -50,6 +53,7 @@ def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optio
     q [batch, num_heads, q_len, head_dim]; k, v [batch, num_kv_heads, kv_len, head_dim];
     mask [batch, 1, q_len, kv_len] bool (True: may look) or None, meaning causal with the
     queries being the last q_len keys. Query head h reads KV head h // (num_heads // num_kv_heads).
+    Scores are q . k / sqrt(head_dim), softmaxed over the visible keys, then used to average v.
     Returns [batch, num_heads, q_len, head_dim].
     """
     raise NotImplementedError("write me")
@@ -70,7 +74,8 @@ def forward(weights: dict[str, torch.Tensor], config: ModelConfig, input_ids: to
     RoPE on q and k -> gqa_attention -> self_attn.o_proj -> add to x; post_attention_layernorm ->
     mlp.{gate,up,down}_proj -> add to x. Then model.norm and the head: lm_head.weight, or
     model.embed_tokens.weight when config.tie_word_embeddings. A `{name}.bias`, where the
-    checkpoint has one (Qwen2's q/k/v), is added after its matmul.
+    checkpoint has one (Qwen2's q/k/v), is added after its matmul. Llama and Qwen2 only: models
+    with config.qk_norm (Qwen3) or mixtures of experts are out of scope.
     """
     raise NotImplementedError("write me")
 
@@ -85,7 +90,8 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
     Rank tokens by probability; a token stays when the tokens ranked above it hold less than
     top_p of the probability together. So the most likely token always stays, and the kept set
-    is the smallest one whose probability reaches top_p.
+    is the smallest one whose probability reaches top_p. top_p >= 1 keeps every token (a float32
+    running sum over a large vocabulary reaches 1.0 before its last tokens: do not filter at all).
     """
     raise NotImplementedError("write me")
 

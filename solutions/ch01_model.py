@@ -19,7 +19,10 @@ from minfer.config import ModelConfig
 # --------------------------------------------------------------------------- normalisation
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Scale each vector of x [..., dim] to unit root-mean-square, then multiply by weight [dim]."""
+    """Scale each vector of x [..., dim] to unit root-mean-square, then multiply by weight [dim].
+
+    Compute the mean of squares in float32 (16-bit squares lose precision), and return x's dtype.
+    """
     x32 = x.float()  # squares of large activations lose precision (or overflow) in 16-bit
     rms = torch.sqrt((x32 * x32).mean(dim=-1, keepdim=True) + eps)
     return weight * (x32 / rms).to(x.dtype)
@@ -49,7 +52,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [batch, heads, seq, head_dim] by the angles in cos, sin [batch, seq, head_dim] (or [seq, head_dim]).
 
-    Each pair (a, b) becomes (a cos - b sin, b cos + a sin): a 2-D rotation.
+    Each pair (a, b) becomes (a cos - b sin, b cos + a sin): a 2-D rotation. Returns x's dtype.
     """
     cos, sin = cos.unsqueeze(-3).to(x.dtype), sin.unsqueeze(-3).to(x.dtype)  # one angle for all heads
     return x * cos + rotate_half(x) * sin
@@ -63,6 +66,7 @@ def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optio
     q [batch, num_heads, q_len, head_dim]; k, v [batch, num_kv_heads, kv_len, head_dim];
     mask [batch, 1, q_len, kv_len] bool (True: may look) or None, meaning causal with the
     queries being the last q_len keys. Query head h reads KV head h // (num_heads // num_kv_heads).
+    Scores are q . k / sqrt(head_dim), softmaxed over the visible keys, then used to average v.
     Returns [batch, num_heads, q_len, head_dim].
     """
     batch, num_heads, q_len, head_dim = q.shape
@@ -110,7 +114,8 @@ def forward(weights: dict[str, torch.Tensor], config: ModelConfig, input_ids: to
     RoPE on q and k -> gqa_attention -> self_attn.o_proj -> add to x; post_attention_layernorm ->
     mlp.{gate,up,down}_proj -> add to x. Then model.norm and the head: lm_head.weight, or
     model.embed_tokens.weight when config.tie_word_embeddings. A `{name}.bias`, where the
-    checkpoint has one (Qwen2's q/k/v), is added after its matmul.
+    checkpoint has one (Qwen2's q/k/v), is added after its matmul. Llama and Qwen2 only: models
+    with config.qk_norm (Qwen3) or mixtures of experts are out of scope.
     """
     batch, seq = input_ids.shape
     heads, kv_heads, head_dim, eps = config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps
@@ -149,8 +154,11 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
     Rank tokens by probability; a token stays when the tokens ranked above it hold less than
     top_p of the probability together. So the most likely token always stays, and the kept set
-    is the smallest one whose probability reaches top_p.
+    is the smallest one whose probability reaches top_p. top_p >= 1 keeps every token (a float32
+    running sum over a large vocabulary reaches 1.0 before its last tokens: do not filter at all).
     """
+    if top_p >= 1.0:
+        return logits.clone()
     probs = torch.softmax(logits.float(), dim=-1)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs

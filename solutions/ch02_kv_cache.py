@@ -59,7 +59,10 @@ def greedy_decode(model: LlamaModel, prompt_ids: list[int], max_new_tokens: int,
     Without a cache every step runs the model over the whole sequence so far. With one
     (minfer.kv_cache.KVCache), the first step runs the prompt and later steps run only the
     newest token. `model(ids, positions, cache)` takes ids and positions [1, n] and returns the
-    logits of the last position [1, 1, vocab].
+    logits of the last position [1, 1, vocab]; it writes the new keys and values into the cache and
+    advances cache.length itself (do not call cache.advance). Build the ids, positions and cache on
+    the model's device and dtype (those of model.embed_tokens.weight). Returns the max_new_tokens new
+    ids, without the prompt.
     """
     device = model.embed_tokens.weight.device
     tokens = list(prompt_ids)

@@ -21,7 +21,8 @@ def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
 def cached_prefix_len(token_ids: list[int], cache: dict[int, tuple[int, ...]], block_size: int) -> int:
     """How many leading tokens of token_ids a prefix cache can serve without recomputing.
 
-    cache maps a block hash to the tokens of the block stored under it. Walk the blocks of
+    cache maps a block hash to the tokens of the block stored under it, as a tuple (compare it with
+    tuple(...) of the prompt's slice: a list never equals a tuple). Walk the blocks of
     token_ids in order and stop at the first block whose hash is missing or whose stored tokens
     differ (a hash collision). At least one token is always left to compute (the model needs
     the last token's logits), so only blocks lying entirely within token_ids[:-1] count.

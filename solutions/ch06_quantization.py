@@ -12,7 +12,7 @@ def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
     scale[n] = max_k |w[n, k]| / 127 (float32, shape [out]); q = round(w / scale), clamped to
     [-127, 127], as int8 [out, in]. A row of zeros gets scale 0 and q = 0 (no division by zero).
-    Afterwards |w - q * scale[:, None]| <= scale / 2 everywhere.
+    Afterwards |w - q * scale[:, None]| <= scale / 2 everywhere (up to float32 rounding).
     """
     w = w.float()
     scale = w.abs().amax(dim=1) / 127
@@ -33,8 +33,9 @@ def quantize_int4_groupwise(w: torch.Tensor, group_size: int) -> tuple[torch.Ten
     """Asymmetric int4 in groups of group_size consecutive inputs of each row of w [out, in].
 
     Group g of row n covers w[n, g*group_size : (g+1)*group_size]. With lo, hi its min and max:
-    scale = (hi - lo) / 15, minimum = lo (both float32, shape [out, in // group_size]), and
-    q = round((w - minimum) / scale) clamped to 0..15, as uint8 [out, in]. A constant group has
+    scale = (hi - lo) / 15, minimum = lo (both float32 and unrounded: the engine's float16 storage is a
+    later step; shape [out, in // group_size]), and q = round((w - minimum) / scale) clamped to 0..15,
+    as uint8 [out, in]. A constant group has
     scale 0 and q = 0. Raise ValueError if in is not a multiple of group_size.
     """
     out_features, in_features = w.shape
@@ -49,7 +50,8 @@ def quantize_int4_groupwise(w: torch.Tensor, group_size: int) -> tuple[torch.Ten
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """Two 4-bit codes per byte: q uint8 [out, in] (values 0..15, in even) -> uint8 [out, in // 2].
+    """Two 4-bit codes per byte: q uint8 [out, in] (values 0..15; in, the number of columns, is even)
+    -> uint8 [out, in // 2].
 
     Byte i of a row holds column 2i in its low nibble and column 2i + 1 in its high nibble.
     """

@@ -15,8 +15,9 @@ def inverse_hessian_cholesky(hessian: torch.Tensor, damping: float = 0.01) -> to
 
 
 def gptq_column_update(w: torch.Tensor, u: torch.Tensor, i: int, rounded: torch.Tensor) -> torch.Tensor:
-    """One GPTQ step on w [out, in] (float, columns < i already rounded): column i becomes `rounded` [out],
-    and its error, divided by U[i, i], moves the columns after i by -error * U[i, i+1:] / U[i, i].
+    """One GPTQ step on w [out, in] (float, columns < i already rounded), with U = u: column i becomes
+    `rounded` [out], and with e = (w[:, i] - rounded) / U[i, i] (one number per row, w as passed in), the columns
+    after i move by -e[:, None] * U[i, i+1:], that is w[:, i+1:] -= e[:, None] * U[i, i+1:].
 
     Returns a new matrix; w itself is left unchanged.
     """

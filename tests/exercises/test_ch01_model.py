@@ -145,6 +145,13 @@ def test_top_p_filter_keeps_what_the_engine_keeps(impl, gen, top_p):
     torch.testing.assert_close(ours[kept], logits[kept])  # survivors keep their logits
 
 
+def test_top_p_one_keeps_the_whole_vocabulary(impl, gen):
+    # SmolLM2's vocabulary and a peaked distribution: a float32 running sum of the sorted probabilities
+    # reaches 1.0 long before its end, so "mass above < 1.0" would drop thousands of tokens
+    logits = torch.randn(2, 49152, generator=gen) * 4
+    assert not torch.isinf(impl.top_p_filter(logits, 1.0)).any()
+
+
 def test_sample_with_temperature_zero_is_greedy(impl, gen):
     logits = torch.randn(4, 30, generator=gen)
     assert torch.equal(impl.sample(logits, temperature=0.0, top_p=0.5, generator=gen), logits.argmax(-1))
