@@ -75,7 +75,7 @@ def load_balancing_loss(router_probs: torch.Tensor, expert_ids: torch.Tensor, nu
     """Switch Transformers' auxiliary loss, E * sum_e f_e * P_e, as a scalar tensor.
 
     router_probs [T, E]: the router's softmax probabilities; expert_ids [T, k]: the experts chosen.
-    f_e: the share of the T * k token-expert assignments that went to expert e (a count: no
+    f_e: the share of the T * k token-expert assignments that went to expert e (computed from counts: no
     gradient flows through it); P_e: the mean of router_probs[:, e] over the tokens (the gradient
     flows through it, into the router). The loss is 1.0 when both are uniform, and E when every
     token goes to one expert with probability 1: minimising it spreads the load.

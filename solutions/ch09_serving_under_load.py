@@ -57,7 +57,8 @@ def poisson_arrival_times(rate: float, num_requests: int, seed: int, burstiness:
     The first request goes at 0; each next one follows after a gap drawn from a gamma distribution
     with shape = burstiness and mean 1 / rate (so scale = 1 / (rate * burstiness)), the gaps drawn
     in order from one `random.Random(seed)` with `gammavariate(burstiness, 1 / (rate * burstiness))`
-    (the load generator's `minfer.bench.serve.arrival_times` draws the same times).
+    (the load generator's `minfer.bench.serve.arrival_times(num_requests, rate, burstiness, seed)`, note
+    the other order, draws the same times).
     burstiness = 1 gives exponential gaps, a Poisson process; below 1 the requests come in
     bursts, above 1 more evenly (the gaps' coefficient of variation is 1 / sqrt(burstiness)).
     rate = float("inf") means all at once: every time is 0.0. Returns a list of floats in
@@ -95,7 +96,7 @@ async def stream_completion_chunks(queue: asyncio.Queue, request_id: str, model:
     Yields, as each output arrives, one SSE event string `"data: " + json.dumps(chunk) + "\\n\\n"`
     with chunk = {"id": request_id, "object": "text_completion", "created": created,
     "model": model, "choices": [{"index": 0, "text": DELTA, "logprobs": None,
-    "finish_reason": REASON}]}, where DELTA is only the text added since the previous output and
+    "finish_reason": REASON}]}, where DELTA is the text not sent yet (the output's text past what earlier chunks sent) and
     REASON is None except in the chunk of the finished output. An unfinished output that added no
     text yields nothing; the finished one always yields its chunk (its delta may be ""). After
     it, yields "data: [DONE]\\n\\n" and stops.
