@@ -1,6 +1,7 @@
-"""Paged decode attention on a GPU: the Triton kernel vs the PyTorch reference, as a share of memory bandwidth.
+"""Paged decode attention on a GPU: the Triton kernel vs the PyTorch reference, as a share of memory bandwidth;
+then the int8/int4 matmul kernels against dense bfloat16 at decode sizes, unsplit and split-K.
 
-    python benchmarks/bench_kernels.py                          # a table over context lengths
+    python benchmarks/bench_kernels.py                          # two tables
     python benchmarks/bench_kernels.py --peak-gbps 4800 --json decode.json
 
 A decode step reads every cached K and V byte of the batch once and does almost no math on it, so
@@ -25,7 +26,10 @@ from typing import Optional
 import torch
 
 from minfer.bench.generate import measure_memory_bandwidth
-from minfer.bench.kernels import kernel_bandwidth
+from minfer.bench.kernels import kernel_bandwidth, quant_matmul_speed
+
+# (N, K) of weight matrices: SmolLM2-135M's qkv, gate_up and down projections, and Llama-3.1-8B's down projection
+MATMUL_SHAPES = [(960, 576), (3072, 576), (576, 1536), (4096, 14336)]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -36,6 +40,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--kv-cache-dtypes", nargs="+", choices=["auto", "int8"], default=["auto", "int8"],
                         help="auto: pools in the model dtype (bfloat16); int8: int8 pools + float32 scales")
     parser.add_argument("--peak-gbps", type=float, default=None, help="datasheet peak, GB/s (default: a measured copy)")
+    parser.add_argument("--matmul-rows", type=int, nargs="*", default=[1, 16],
+                        help="activation rows of the quantized matmuls (decode batch sizes); no value: skip them")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -53,9 +59,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         kind = "int8" if row["kv_cache_dtype"] == "int8" else row["dtype"]
         print(f"| {row['context_len']} | {kind} | {row['kv_mb']:.0f} | {row['kernel_ms']:.3f} | {row['reference_ms']:.3f} "
               f"| {row['kernel_gb_per_s']:.0f} | {row['bandwidth_fraction']:.0%} |")
+    matmuls = [r for m in args.matmul_rows for n, k in MATMUL_SHAPES for r in quant_matmul_speed(n, k, rows=m)]
+    if matmuls:
+        print("\n| N x K | rows | format | K slices | us | weight GB/s | time / dense |")
+        print("|---|---:|---|---|---:|---:|---:|")
+        for r in matmuls:
+            dense = next(d for d in matmuls if (d["n"], d["k"], d["rows"], d["format"]) == (r["n"], r["k"], r["rows"], "dense"))
+            print(f"| {r['n']} x {r['k']} | {r['rows']} | {r['format']} | {r['splits'] or '-'} | {r['us']:.1f} "
+                  f"| {r['weight_gb_per_s']:.0f} | {r['us'] / dense['us']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "matmuls": matmuls}, f, indent=2)
     return 0
 
 

@@ -82,6 +82,7 @@ BLOCK_SIZES = (8, 16, 32)
 HEAD_DIMS = (64, 128)  # SmolLM2's 64; 128 as in Llama-style 7B models
 INT4_GROUP_SIZES = (32, 64, 128)
 MATMUL_ROWS = (1, 7)  # M: one decode row (specialized as a constant 1 at launch) and a general batch
+MATMUL_SPLITS = (1, 4)  # slices of K: unsplit (writes the output dtype) and split-K (float32 partials)
 MATMUL_SHAPE = (576, 1536)  # N, K: a SmolLM2 down projection; K divides every int4 group size
 MOE_SHAPE = (8, 2, 576, 384)  # experts, top-k, hidden, expert intermediate size of the fused MoE launches
 BASE = dict(group=3, block_size=16)  # where the other axes are crossed in the default (not --full) set
@@ -100,13 +101,13 @@ class Variant:
 
 def variants(full: bool = False) -> list[Variant]:
     """The launches to compile: the attention kernels and the KV write per (dtype, KV format, GQA group,
-    block size, head_dim), the quantized matmuls per (activation dtype, rows, int4 group size).
+    block size, head_dim), the quantized matmuls per (activation dtype, rows, int4 group size, K slices).
 
     Not ``full``: every value of every axis, crossed where it changes the compiled code. dtype x KV
     format x head_dim in full (they change the tiles and the path ``tl.dot`` takes); the other GQA
     groups and block sizes (integer constants to divide and compare by) with both KV formats, in
     bfloat16 (tensor cores) and float32 (CUDA cores); int4 group sizes with every dtype at 7 rows,
-    and one row (a constant 1 at launch) with every dtype.
+    and one row (a constant 1 at launch) with every dtype, unsplit and split-K (the decode case).
     """
     paged = []
     for dtype, kv, group, block_size, head_dim in itertools.product(DTYPES, KV_FORMATS, GROUPS, BLOCK_SIZES, HEAD_DIMS):
@@ -118,10 +119,12 @@ def variants(full: bool = False) -> list[Variant]:
                ("head_dim", head_dim)) for dtype in DTYPES for head_dim in HEAD_DIMS]
     out = [Variant(name, axes) for name in ("paged_prefill_attention", "paged_decode_attention", "write_kv")
            for axes in paged]
-    out += [Variant("int8_matmul", (("dtype", dtype), ("rows", m))) for dtype in DTYPES for m in MATMUL_ROWS]
-    out += [Variant("int4_matmul", (("dtype", dtype), ("rows", m), ("group_size", g)))
-            for dtype in DTYPES for m in MATMUL_ROWS for g in INT4_GROUP_SIZES
-            if full or m == MATMUL_ROWS[-1] or g == INT4_GROUP_SIZES[1]]
+    out += [Variant("int8_matmul", (("dtype", dtype), ("rows", m), ("splits", s)))
+            for dtype in DTYPES for m in MATMUL_ROWS for s in MATMUL_SPLITS if full or s == 1 or m == 1]
+    out += [Variant("int4_matmul", (("dtype", dtype), ("rows", m), ("group_size", g), ("splits", s)))
+            for dtype in DTYPES for m in MATMUL_ROWS for g in INT4_GROUP_SIZES for s in MATMUL_SPLITS
+            if full or (s == 1 and (m == MATMUL_ROWS[-1] or g == INT4_GROUP_SIZES[1]))
+            or (m == 1 and g == INT4_GROUP_SIZES[1])]
     # the fused MoE's tokens only size its grid (its pairs come sorted), so dtype is its one axis
     out += [Variant(name, (("dtype", dtype),)) for name in ("fused_moe_gate_up", "fused_moe_down") for dtype in DTYPES]
     return out
@@ -208,11 +211,11 @@ def record_launch(variant: Variant):
         module = quant_matmul
         if variant.kernel == "int8_matmul":
             name, args = "_int8_matmul_kernel", quantize_int8_per_channel(w)
-            call = lambda: module.int8_matmul(x, *args)  # noqa: E731
+            call = lambda: module.int8_matmul(x, *args, num_splits=p["splits"])  # noqa: E731
         else:
             q, scale, minimum = quantize_int4_groupwise(w, p["group_size"])
             name = "_int4_matmul_kernel"
-            call = lambda: module.int4_matmul(x, pack_int4(q), scale, minimum)  # noqa: E731
+            call = lambda: module.int4_matmul(x, pack_int4(q), scale, minimum, num_splits=p["splits"])  # noqa: E731
     with _recording(module, name) as (kernel, recorder):
         call()
     if len(recorder.launches) != 1:
@@ -325,7 +328,7 @@ def compile_all(archs=tuple(ARCHS), jobs: int = 1, full: bool = False) -> list[d
 
 # --- the table --------------------------------------------------------------------------------------
 
-MERGED_AXES = {"group": "GQA", "block_size": "block", "rows": "M", "group_size": "int4 g"}
+MERGED_AXES = {"group": "GQA", "block_size": "block", "rows": "M", "group_size": "int4 g", "splits": "K slices"}
 
 
 def markdown(rows: list[dict]) -> str:

@@ -103,6 +103,7 @@ def test_variants_cover_what_the_engine_launches(report):
                for d in ("bf16", "fp16", "fp32") for kv in ("auto", "int8", "fp8"))
     for kernel in ("int8_matmul", "int4_matmul"):
         assert seen[kernel, "dtype"] == {"bf16", "fp16", "fp32"} and seen[kernel, "rows"] == {1, 7}
+        assert seen[kernel, "splits"] == {1, 4}  # split-K writes float32 partials: its own compiled variant
     assert seen["int4_matmul", "group_size"] == {32, 64, 128}
     for kernel in ("fused_moe_gate_up", "fused_moe_down"):  # minfer.kernels.fused_moe, its two launches
         assert seen[kernel, "dtype"] == {"bf16", "fp16", "fp32"}
@@ -208,11 +209,12 @@ ON_THE_GPU = textwrap.dedent('''
     for dtype in dtypes:
         for rows in (1, 7):
             x = torch.randn(rows, 1536, generator=gen).to(device, getattr(torch, dtype))
-            pairs = [(int8_matmul(x, q8, s8), int8_matmul_reference(x, q8, s8))]
+            splits = (None, 1, 4)  # chosen for this GPU's SM count, unsplit, four slices of K
+            pairs = [(int8_matmul(x, q8, s8, num_splits=n), int8_matmul_reference(x, q8, s8)) for n in splits]
             for group_size in (32, 64, 128):
                 q4, s4, m4 = quantize_int4_groupwise(w, group_size)
                 args = (x, pack_int4(q4).to(device), s4.to(device), m4.to(device))
-                pairs.append((int4_matmul(*args), int4_matmul_reference(*args)))
+                pairs += [(int4_matmul(*args, num_splits=n), int4_matmul_reference(*args)) for n in splits]
             for got, want in pairs:
                 error = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
                 assert error < tolerance[dtype], (dtype, rows, error)

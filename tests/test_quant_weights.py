@@ -126,20 +126,29 @@ KERNEL_SCRIPT = textwrap.dedent("""
 
     gen = torch.Generator().manual_seed(0)
     checked = 0
-    # N not a multiple of the 64-wide tile; K not a multiple of the int8 kernel's 64-wide K step.
+    # N not a multiple of the 64-wide tile; K not a multiple of the int8 kernel's 64-wide K step; K cut into
+    # slices (split-K, as on a GPU at decode sizes), the last slice short (96 = 64 + 32) or empty (3 of 2 steps)
     for m, n, k in [(1, 80, 96), (5, 48, 128), (17, 64, 256)]:
         w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
         q, scale = quantize_int8_per_channel(w)
-        torch.testing.assert_close(int8_matmul(x, q, scale), int8_matmul_reference(x, q, scale), atol=1e-4, rtol=1e-4)
-        checked += 1
+        for splits in (1, 2):
+            torch.testing.assert_close(int8_matmul(x, q, scale, num_splits=splits), int8_matmul_reference(x, q, scale),
+                                       atol=1e-4, rtol=1e-4)
+            checked += 1
         for group_size in (32, 64, 128):
             if k % group_size:
                 continue
             q4, s4, m4 = quantize_int4_groupwise(w, group_size)
             packed = pack_int4(q4)
-            torch.testing.assert_close(int4_matmul(x, packed, s4, m4), int4_matmul_reference(x, packed, s4, m4),
-                                       atol=1e-4, rtol=1e-4)
-            checked += 1
+            for splits in (1, 3):
+                torch.testing.assert_close(int4_matmul(x, packed, s4, m4, num_splits=splits),
+                                           int4_matmul_reference(x, packed, s4, m4), atol=1e-4, rtol=1e-4)
+                checked += 1
+    try:
+        int8_matmul(x, q, scale, num_splits=5)  # K = 256: 4 steps of 64
+        raise AssertionError("5 slices of 4 K steps were not refused")
+    except ValueError as error:
+        assert "num_splits must be between 1 and the 4 K steps of 64, got 5" in str(error), error
     # A whole (tiny) model on the Triton path gives the reference path's logits.
     llm = LLM(random_checkpoint(tempfile.mkdtemp(), "tiny"), dtype="float32", device="cpu")
     ids = torch.tensor([[5, 17, 300, 2, 99, 7]])
@@ -161,7 +170,7 @@ def test_triton_kernels_match_reference_under_the_interpreter():
     done = subprocess.run([sys.executable, "-c", KERNEL_SCRIPT], env=env, capture_output=True, text=True,
                           timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "triton == reference: 12 checks" in done.stdout, done.stdout
+    assert "triton == reference: 22 checks" in done.stdout, done.stdout
 
 
 # --- quantized models -------------------------------------------------------------------------------------

@@ -55,3 +55,33 @@ def kernel_bandwidth(num_seqs: int = 32, context_len: int = 4096, num_heads: int
         "kv_mb": kv_bytes / 2**20, "kernel_ms": kernel_ms, "reference_ms": reference_ms,
         "kernel_gb_per_s": achieved / 1e9, "peak_gb_per_s": peak / 1e9, "bandwidth_fraction": achieved / peak,
     }
+
+
+def quant_matmul_speed(n: int, k: int, rows: int = 1, dtype: torch.dtype = torch.bfloat16, group_size: int = 64,
+                       device: str = "cuda") -> list[dict]:
+    """Time x [rows, K] @ W.T for W [N, K] on CUDA: dense (``F.linear``), the int8 and int4 kernels unsplit
+    (one program per 64 outputs) and with the K slices ``num_k_splits`` chooses; the weight bytes each reads
+    per second. At decode sizes the unsplit grid leaves most SMs idle: the split rows show what that costs."""
+    import triton.testing
+
+    from minfer.formats.weights import pack_int4, quantize_int4_groupwise, quantize_int8_per_channel
+    from minfer.kernels.quant_matmul import int4_matmul, int8_matmul
+
+    w = torch.randn(n, k, device=device) * 0.02
+    x = torch.randn(rows, k, device=device, dtype=dtype)
+    dense = w.to(dtype)
+    q8, s8 = quantize_int8_per_channel(w)
+    q4, s4, m4 = quantize_int4_groupwise(w, group_size)
+    packed = pack_int4(q4)
+    cases = [("dense", None, lambda: torch.nn.functional.linear(x, dense), n * k * dense.element_size())]
+    for splits in (1, None):
+        cases.append(("int8", splits, lambda s=splits: int8_matmul(x, q8, s8, num_splits=s), q8.numel() + 4 * n))
+        cases.append(("int4", splits, lambda s=splits: int4_matmul(x, packed, s4, m4, num_splits=s),
+                      packed.numel() + 2 * s4.numel() * s4.element_size()))
+    results = []
+    for fmt, splits, run, nbytes in cases:
+        us = triton.testing.do_bench(run) * 1e3
+        results.append({"n": n, "k": k, "rows": rows, "dtype": str(dtype).removeprefix("torch."), "format": fmt,
+                        "splits": "auto" if fmt != "dense" and splits is None else splits, "us": us,
+                        "weight_gb_per_s": nbytes / (us / 1e6) / 1e9})
+    return results

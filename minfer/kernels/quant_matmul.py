@@ -29,6 +29,14 @@ registers, one tile at a time; memory is read in the small format.
   cannot be factored out; ``BLOCK_K`` divides the group size, so each K step lies inside one group
   and needs one scale and one minimum per row: ``w = q * scale + min``.
 
+Split-K: a decode step has one row, so the grid is one program per ``BLOCK_N`` outputs: 9 programs for
+SmolLM2's 576-wide projections, on a GPU with over a hundred SMs. Most of the chip would sit idle and
+the weights would stream through a few SMs' load units. So on CUDA the wrappers also cut K into
+``num_splits`` slices (a third grid axis): each program sums its slice into a float32 partial, and a
+``sum`` over the slices finishes the job. The partials are ``splits x M x N`` floats, tiny next to
+the weights at decode sizes. ``num_k_splits`` picks the count: enough programs for two per SM, with
+at least four K steps per slice; prefill-sized M already fills the grid and gets one slice.
+
 A tensor core multiplies tiles of at least 16 rows, so a decode step's single row is padded to
 ``BLOCK_M = 16`` and masked (older Triton versions refuse a smaller ``tl.dot``; newer ones pad it
 themselves); in a memory-bound kernel the wasted multiply-adds cost nothing.
@@ -43,6 +51,9 @@ Each wrapper runs its Triton kernel on CUDA tensors or under TRITON_INTERPRET=1 
 ``paged_cache.py``), and otherwise falls back to its PyTorch reference.
 """
 from __future__ import annotations
+
+from functools import lru_cache
+from typing import Optional
 
 import torch
 import triton
@@ -64,16 +75,19 @@ def int4_matmul_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
 
 
 @triton.jit
-def _int8_matmul_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K,
-                        stride_xm, stride_wn, stride_om,
+def _int8_matmul_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, K_PER_SPLIT,
+                        stride_xm, stride_wn, stride_om, stride_osplit,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)  # this program's slice of K: [k_start, k_end)
+    k_start = split * K_PER_SPLIT
+    k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     row_ok, col_ok = rows < M, cols < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
+    for start in range(k_start, k_end, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
+        k_ok = ks < k_end
         x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         q = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0)
         # int8 values are exact in every float format (bfloat16 holds integers up to 256); float32
@@ -81,20 +95,24 @@ def _int8_matmul_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K,
         acc += tl.dot(x, tl.trans(q.to(x.dtype)), input_precision="ieee")
     scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0)
     acc = acc * scale[None, :]  # the per-row scale, applied once per output instead of once per weight
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + split * stride_osplit + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def _int4_matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, K,
-                        stride_xm, stride_wn, stride_sn, stride_om,
+def _int4_matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, K_PER_SPLIT,
+                        stride_xm, stride_wn, stride_sn, stride_om, stride_osplit,
                         GROUP_SIZE: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
+    k_start = split * K_PER_SPLIT
+    k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     row_ok, col_ok = rows < M, cols < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):  # K is a multiple of GROUP_SIZE, itself a multiple of BLOCK_K
+    # K and K_PER_SPLIT are multiples of BLOCK_K, which divides GROUP_SIZE: every step lies in one group
+    for start in range(k_start, k_end, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None], other=0.0)
         # Two neighbouring columns read the same byte; the shift picks the low or the high nibble.
@@ -105,7 +123,7 @@ def _int4_matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, K,
         minimum = tl.load(min_ptr + cols * stride_sn + group, mask=col_ok, other=0.0).to(tl.float32)
         w = q.to(tl.float32) * scale[:, None] + minimum[:, None]  # [BLOCK_N, BLOCK_K], only in registers
         acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision="ieee")  # exact float32, as above
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + split * stride_osplit + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -116,36 +134,67 @@ def matmul_warps(dtype: torch.dtype) -> int:
     return 8 if dtype == torch.float32 else 4
 
 
-def _launch_shape(x: torch.Tensor, n: int, block_m: int, block_n: int):
+@lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_k_splits(x: torch.Tensor, tiles: int, k_steps: int) -> int:
+    """How many slices of K to give each output tile: 1 off CUDA (the interpreter gains nothing) and
+    wherever the tiles already give every SM two programs; else enough slices for that, each at least
+    four BLOCK_K steps long (shorter slices spend more on their partials than they gain)."""
+    if x.device.type != "cuda":
+        return 1
+    wanted = triton.cdiv(2 * _sm_count(x.device.index or 0), tiles)
+    return max(1, min(wanted, k_steps // 4))
+
+
+def _launch(x: torch.Tensor, n: int, k: int, block_m: int, block_n: int, block_k: int, num_splits: Optional[int]):
+    """x as rows [M, K], the output (float32 partials [splits, M, N] when K is split), the grid, K per slice."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(x2.shape[0], block_m), triton.cdiv(n, block_n))
-    return x2, out, grid
+    tiles = (triton.cdiv(x2.shape[0], block_m), triton.cdiv(n, block_n))
+    k_steps = triton.cdiv(k, block_k)
+    splits = num_k_splits(x, tiles[0] * tiles[1], k_steps) if num_splits is None else num_splits
+    if not 1 <= splits <= k_steps:
+        raise ValueError(f"num_splits must be between 1 and the {k_steps} K steps of {block_k}, got {splits}")
+    k_per_split = triton.cdiv(k_steps, splits) * block_k
+    out = (torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device) if splits == 1
+           else torch.empty(splits, x2.shape[0], n, dtype=torch.float32, device=x.device))
+    return x2, out, (*tiles, splits), k_per_split
 
 
-def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *,
-                block_m: int = 16, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+def _finish(out: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
+    """The partials of a split K summed (in float32) and cast; an unsplit output as it is."""
+    if out.dim() == 3:
+        out = out.sum(0).to(x.dtype)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, block_m: int = 16, block_n: int = 64,
+                block_k: int = 64, num_splits: Optional[int] = None) -> torch.Tensor:
     """The Triton kernel for ``int8_matmul_reference`` (same arguments, same result within float rounding).
 
     q must be contiguous int8 [N, K] and scale float32 [N]. The block sizes are tuning knobs
-    (powers of two, at least 16). Falls back to the reference off CUDA without TRITON_INTERPRET=1.
+    (powers of two, at least 16); num_splits slices K (None: ``num_k_splits`` chooses). Falls back to
+    the reference off CUDA without TRITON_INTERPRET=1.
     """
     if not use_triton(x):
         return int8_matmul_reference(x, q, scale)
     n, k = q.shape
-    x2, out, grid = _launch_shape(x, n, block_m, block_n)
-    _int8_matmul_kernel[grid](x2, q, scale, out, x2.shape[0], n, k, x2.stride(0), q.stride(0), out.stride(0),
+    x2, out, grid, k_per_split = _launch(x, n, k, block_m, block_n, block_k, num_splits)
+    _int8_matmul_kernel[grid](x2, q, scale, out, x2.shape[0], n, k, k_per_split,
+                              x2.stride(0), q.stride(0), out.stride(-2), out.stride(0) if out.dim() == 3 else 0,
                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=matmul_warps(x.dtype))
-    return out.reshape(*x.shape[:-1], n)
+    return _finish(out, x, n)
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, *,
-                block_m: int = 16, block_n: int = 64, block_k: int = 32) -> torch.Tensor:
+                block_m: int = 16, block_n: int = 64, block_k: int = 32, num_splits: Optional[int] = None) -> torch.Tensor:
     """The Triton kernel for ``int4_matmul_reference`` (same arguments, same result within float rounding).
 
     packed: contiguous uint8 [N, K // 2]; scale, minimum: float16 [N, K // group_size]. block_k must
-    divide the group size (32 divides every allowed one). Falls back to the reference off CUDA
-    without TRITON_INTERPRET=1.
+    divide the group size (32 divides every allowed one); num_splits slices K (None: ``num_k_splits``
+    chooses). Falls back to the reference off CUDA without TRITON_INTERPRET=1.
     """
     n, k = packed.shape[0], packed.shape[1] * 2
     group_size = k // scale.shape[1]
@@ -153,9 +202,10 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, mini
         raise ValueError(f"block_k ({block_k}) must divide the group size ({group_size})")
     if not use_triton(x):
         return int4_matmul_reference(x, packed, scale, minimum)
-    x2, out, grid = _launch_shape(x, n, block_m, block_n)
-    _int4_matmul_kernel[grid](x2, packed, scale, minimum, out, x2.shape[0], n, k,
-                              x2.stride(0), packed.stride(0), scale.stride(0), out.stride(0),
+    x2, out, grid, k_per_split = _launch(x, n, k, block_m, block_n, block_k, num_splits)
+    _int4_matmul_kernel[grid](x2, packed, scale, minimum, out, x2.shape[0], n, k, k_per_split,
+                              x2.stride(0), packed.stride(0), scale.stride(0), out.stride(-2),
+                              out.stride(0) if out.dim() == 3 else 0,
                               GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                               num_warps=matmul_warps(x.dtype))
-    return out.reshape(*x.shape[:-1], n)
+    return _finish(out, x, n)
