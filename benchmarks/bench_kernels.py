@@ -59,6 +59,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         kind = "int8" if row["kv_cache_dtype"] == "int8" else row["dtype"]
         print(f"| {row['context_len']} | {kind} | {row['kv_mb']:.0f} | {row['kernel_ms']:.3f} | {row['reference_ms']:.3f} "
               f"| {row['kernel_gb_per_s']:.0f} | {row['bandwidth_fraction']:.0%} |")
+    save(args.json, rows, [])  # kept even if the time limit stops the matmuls
     matmuls = [r for m in args.matmul_rows for n, k in MATMUL_SHAPES for r in quant_matmul_speed(n, k, rows=m)]
     if matmuls:
         print("\n| N x K | rows | format | K slices | us | weight GB/s | time / dense |")
@@ -67,10 +68,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             dense = next(d for d in matmuls if (d["n"], d["k"], d["rows"], d["format"]) == (r["n"], r["k"], r["rows"], "dense"))
             print(f"| {r['n']} x {r['k']} | {r['rows']} | {r['format']} | {r['splits'] or '-'} | {r['us']:.1f} "
                   f"| {r['weight_gb_per_s']:.0f} | {r['us'] / dense['us']:.2f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "matmuls": matmuls}, f, indent=2)
+    save(args.json, rows, matmuls)
     return 0
+
+
+def save(path: Optional[str], rows: list[dict], matmuls: list[dict]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "matmuls": matmuls}, f, indent=2)
 
 
 if __name__ == "__main__":
