@@ -39,7 +39,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     q [num_heads, head_dim]; k_pool, v_pool [num_blocks, block_size, num_kv_heads, head_dim];
     the sequence's first context_len tokens live in the blocks of block_table, in order. Query head
     h reads KV head h // (num_heads // num_kv_heads) (grouped-query attention). scale defaults to
-    1/sqrt(head_dim). Returns softmax(q·k * scale) @ v over the context_len tokens, [num_heads, head_dim].
+    1/sqrt(head_dim). Returns softmax(q·k * scale) @ v over the context_len tokens, [num_heads, head_dim],
+    in q's dtype (compute in float32).
     """
     raise NotImplementedError("write me")
 
@@ -51,14 +52,16 @@ def online_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     q [head_dim]; k, v [n, head_dim]; scale defaults to 1/sqrt(head_dim). Keep only a running
     maximum m, a running sum l of exp(score - m) and a running output acc = sum exp(score - m) * v;
     rescale them by exp(m_old - m_new) when a chunk raises the maximum. Never build the softmax
-    of all n scores at once (no torch.softmax). Returns [head_dim].
+    of all n scores at once (no torch.softmax). Returns [head_dim] in q's dtype (compute in float32).
     """
     raise NotImplementedError("write me")
 
 
 # ----------------------------------------------------------------- the Triton ladder
 # Three kernels, each one step closer to minfer/kernels/paged_decode_attention.py. On a CPU they run
-# under Triton's interpreter: the notebook sets TRITON_INTERPRET=1 before triton is first imported.
+# under Triton's interpreter: the notebook sets TRITON_INTERPRET=1 before triton is first imported (in a
+# shell of your own, set it too, or Triton stops with '0 active drivers'). BLOCK_SIZE is the cache's block
+# size (any integer); BLOCK_N, BLOCK_D are tile sizes (powers of two, as tl.arange wants).
 # Each function below is the launcher: write a @triton.jit kernel above it, then replace the
 # `raise` with the launch. Plain Python helpers you add need a leading underscore (every public
 # function in this file is an exercise with a worked twin in solutions/); @triton.jit ones do not.
@@ -135,7 +138,8 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
 
         for start in range(0, context_len, BLOCK_N):
             positions = start + tl.arange(0, BLOCK_N)
-            ...  # block = table[positions // BLOCK_SIZE]; address (block, positions % BLOCK_SIZE, kv_head)
+            ...  # block = table[positions // BLOCK_SIZE], a masked load: past context_len the index runs off
+            ...  # the table's row; address (block, positions % BLOCK_SIZE, kv_head)
             ...  # with the pools' strides; load K, V; scores = sum(k * q) * scale, -inf past context_len
             m, l, acc = online_softmax_step(m, l, acc, scores, v)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -68,9 +69,21 @@ def run_tests(paths: list[str], impl: str, timeout: float = 600) -> list[TestRes
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths,
                f"--impl={impl}", f"--junitxml={report}", "-o", "junit_family=xunit1"]  # xunit1 keeps record_property
         proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
-        if not os.path.exists(report):  # pytest stopped before running anything (a usage error)
-            raise RuntimeError(f"pytest did not run:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+        if not os.path.exists(report):
+            raise RuntimeError(why_no_report(proc))
         return _parse_junit(report)
+
+
+def why_no_report(proc: subprocess.CompletedProcess) -> str:
+    """Why pytest wrote no report: the test process crashed (in this course, most often a kernel that read or
+    wrote outside a tensor), or pytest refused to start (a usage error)."""
+    crash = proc.stderr.find("Fatal Python error")
+    if proc.returncode < 0 or crash >= 0:
+        how = f"killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0 else "a fatal error"
+        return (f"the test process crashed ({how}). In a Triton kernel that is most often a tl.load or tl.store "
+                "outside a tensor: a mask missing on some load. Where it crashed (the first lines name your file's "
+                f"line, the later ones the test):\n{proc.stderr[max(crash, 0):][:3000]}")
+    return f"pytest did not run:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
 
 
 def _parse_junit(path: str) -> list[TestResult]:

@@ -44,7 +44,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     q [num_heads, head_dim]; k_pool, v_pool [num_blocks, block_size, num_kv_heads, head_dim];
     the sequence's first context_len tokens live in the blocks of block_table, in order. Query head
     h reads KV head h // (num_heads // num_kv_heads) (grouped-query attention). scale defaults to
-    1/sqrt(head_dim). Returns softmax(q·k * scale) @ v over the context_len tokens, [num_heads, head_dim].
+    1/sqrt(head_dim). Returns softmax(q·k * scale) @ v over the context_len tokens, [num_heads, head_dim],
+    in q's dtype (compute in float32).
     """
     num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
@@ -65,7 +66,7 @@ def online_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     q [head_dim]; k, v [n, head_dim]; scale defaults to 1/sqrt(head_dim). Keep only a running
     maximum m, a running sum l of exp(score - m) and a running output acc = sum exp(score - m) * v;
     rescale them by exp(m_old - m_new) when a chunk raises the maximum. Never build the softmax
-    of all n scores at once (no torch.softmax). Returns [head_dim].
+    of all n scores at once (no torch.softmax). Returns [head_dim] in q's dtype (compute in float32).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     m = torch.tensor(float("-inf"))

@@ -2,7 +2,7 @@
 import subprocess
 import sys
 
-from minfer.course import _parse_junit
+from minfer.course import _parse_junit, why_no_report
 
 
 def test_recorded_properties_and_outcomes_come_back(tmp_path):
@@ -17,3 +17,17 @@ def test_recorded_properties_and_outcomes_come_back(tmp_path):
     assert results["test_fast"].properties == {"speedup over the reference": "3.2x"}
     assert results["test_broken"].outcome == "failed" and "write me" in results["test_broken"].message
     assert results["test_broken"].properties == {}
+
+
+def test_a_crashed_test_process_is_reported_as_a_crash(tmp_path):
+    """A kernel that reads outside a tensor can kill the test process: check() must say so and show where,
+    not that pytest 'did not run'."""
+    (tmp_path / "test_crash.py").write_text("import ctypes\n\ndef test_reads_address_zero():\n    ctypes.string_at(0)\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_crash.py"],
+                          cwd=tmp_path, capture_output=True, text=True)
+    message = why_no_report(proc)
+    assert message.startswith("the test process crashed (killed by SIGSEGV)"), message
+    assert "test_crash.py" in message and "test_reads_address_zero" in message, message
+    usage = subprocess.run([sys.executable, "-m", "pytest", "--no-such-option"], cwd=tmp_path, capture_output=True,
+                           text=True)
+    assert why_no_report(usage).startswith("pytest did not run") and "no-such-option" in why_no_report(usage)
