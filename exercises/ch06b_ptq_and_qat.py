@@ -27,14 +27,17 @@ def gptq_column_update(w: torch.Tensor, u: torch.Tensor, i: int, rounded: torch.
 
 
 def round_to_grid(column: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-    """The nearest value of each row's int4 grid (q * scale + minimum, q in 0..15) for one column [out]."""
+    """The nearest value of each row's int4 grid (q * scale + minimum, q in 0..15) for one column [out].
+
+    A row whose scale is 0 (a constant group) has one grid value: its minimum."""
     raise NotImplementedError("write me")
 
 
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int) -> torch.Tensor:
     """int4 with GPTQ's codes, returned dequantized [out, in]: columns in order; each group's grid
     (scale = (max - min) / 15, minimum = min per row) from the weights as the updates left them when
-    the group's first column is reached; then every column rounded and its error pushed on."""
+    the group's first column is reached; then every column rounded and its error pushed on, with U
+    from inverse_hessian_cholesky at its default damping."""
     raise NotImplementedError("write me")
 
 
@@ -64,7 +67,10 @@ def dequantize_nf4(codes: torch.Tensor, absmax: torch.Tensor, block_size: int) -
 
 
 def fake_quantize_int4(w: torch.Tensor, group_size: int) -> torch.Tensor:
-    """What int4 round-to-nearest in groups (chapter 06's grid) stores for w, as floats [out, in]."""
+    """What int4 round-to-nearest in groups (chapter 06's grid) stores for w, as floats [out, in].
+
+    Per group of group_size inputs of a row: scale = (max - min) / 15 and minimum = min, both float32 and
+    unrounded; q = round((w - minimum) / scale) clamped to 0..15 (scale 0: q = 0); returns q * scale + minimum."""
     raise NotImplementedError("write me")
 
 

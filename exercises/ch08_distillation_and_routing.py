@@ -60,8 +60,9 @@ def threshold_sweep(confidences: list[float], cheap_correct: list[bool], full_co
 
     Request i goes cheap when route(confidences[i], threshold) == 'cheap' (so a NaN confidence
     escalates); the answer served is then right when cheap_correct[i], else when full_correct[i].
-    Accuracy is the share of all requests whose served answer is right. Raise ValueError unless the
-    three lists are non-empty and of the same length.
+    Accuracy is the share of all requests whose served answer is right. Compute each share as a count
+    divided by len(confidences): the notebook compares your floats exactly with minfer's. Raise
+    ValueError unless the three lists are non-empty and of the same length.
     """
     raise NotImplementedError("write me")
 
@@ -72,7 +73,7 @@ def cheapest_threshold(confidences: list[float], cheap_correct: list[bool], full
 
     The candidates are 0.0 and every distinct (non-NaN) confidence: no other threshold changes the
     routing. A lower threshold routes more requests cheap, so the lowest candidate that meets the
-    target is the cheapest. Return None when none does (then escalate everything). Raise ValueError
-    unless 0 <= target_accuracy <= 1.
+    target is the cheapest. Return None when none does, or when no candidate routes any request cheap
+    (every confidence NaN): then escalate everything. Raise ValueError unless 0 <= target_accuracy <= 1.
     """
     raise NotImplementedError("write me")

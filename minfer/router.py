@@ -170,7 +170,8 @@ def cheapest_threshold(confidences: Sequence[float], cheap_correct: Sequence[boo
     if not 0.0 <= target_accuracy <= 1.0:
         raise ValueError(f"target_accuracy must be in [0, 1], got {target_accuracy!r}")
     for t in candidate_thresholds(confidences):
-        if evaluate_routing(confidences, cheap_correct, full_correct, t, 0.0).accuracy >= target_accuracy:
+        result = evaluate_routing(confidences, cheap_correct, full_correct, t, 0.0)
+        if result.share_cheap > 0 and result.accuracy >= target_accuracy:  # 0 only when every confidence is NaN
             return t
     return None
 

@@ -74,8 +74,9 @@ def threshold_sweep(confidences: list[float], cheap_correct: list[bool], full_co
 
     Request i goes cheap when route(confidences[i], threshold) == 'cheap' (so a NaN confidence
     escalates); the answer served is then right when cheap_correct[i], else when full_correct[i].
-    Accuracy is the share of all requests whose served answer is right. Raise ValueError unless the
-    three lists are non-empty and of the same length.
+    Accuracy is the share of all requests whose served answer is right. Compute each share as a count
+    divided by len(confidences): the notebook compares your floats exactly with minfer's. Raise
+    ValueError unless the three lists are non-empty and of the same length.
     """
     if not confidences or not len(confidences) == len(cheap_correct) == len(full_correct):
         raise ValueError("confidences, cheap_correct and full_correct must be non-empty and of the same length")
@@ -93,14 +94,14 @@ def cheapest_threshold(confidences: list[float], cheap_correct: list[bool], full
 
     The candidates are 0.0 and every distinct (non-NaN) confidence: no other threshold changes the
     routing. A lower threshold routes more requests cheap, so the lowest candidate that meets the
-    target is the cheapest. Return None when none does (then escalate everything). Raise ValueError
-    unless 0 <= target_accuracy <= 1.
+    target is the cheapest. Return None when none does, or when no candidate routes any request cheap
+    (every confidence NaN): then escalate everything. Raise ValueError unless 0 <= target_accuracy <= 1.
     """
     if not 0.0 <= target_accuracy <= 1.0:
         raise ValueError(f"target_accuracy must be in [0, 1], got {target_accuracy!r}")
     candidates = sorted({0.0} | {c for c in confidences if c is not None and not math.isnan(c)})
-    for threshold, (_, accuracy) in zip(candidates, threshold_sweep(confidences, cheap_correct, full_correct,
-                                                                    candidates)):
-        if accuracy >= target_accuracy:
+    for threshold, (share, accuracy) in zip(candidates, threshold_sweep(confidences, cheap_correct, full_correct,
+                                                                        candidates)):
+        if share > 0 and accuracy >= target_accuracy:  # share 0 only when every confidence is NaN
             return threshold
     return None

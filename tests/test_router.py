@@ -67,6 +67,7 @@ def test_sweep_and_the_cheapest_threshold_for_a_target():
     assert cheapest_threshold(CONFIDENCES, CHEAP_RIGHT, FULL_RIGHT, 1.0) == 0.9
     assert cheapest_threshold(CONFIDENCES, CHEAP_RIGHT, FULL_RIGHT, 0.5) == 0.0
     assert cheapest_threshold([0.5, 0.6], [False, False], [True, True], 0.9) is None
+    assert cheapest_threshold([float("nan")] * 2, [True, True], [True, True], 0.5) is None  # 0.0 would route none
     with pytest.raises(ValueError, match="target_accuracy"):
         cheapest_threshold(CONFIDENCES, CHEAP_RIGHT, FULL_RIGHT, 1.5)
 

@@ -103,6 +103,7 @@ def test_cheapest_threshold_for_a_target_accuracy(impl):
     assert impl.cheapest_threshold(CONFIDENCES, CHEAP_RIGHT, FULL_RIGHT, 0.6) == 0.3  # 4/6 >= 0.6
     assert impl.cheapest_threshold(CONFIDENCES, CHEAP_RIGHT, FULL_RIGHT, 0.8) == 0.9  # 0.8 itself routes 0.8 cheap
     assert impl.cheapest_threshold(CONFIDENCES, CHEAP_RIGHT, FULL_RIGHT, 0.9) is None
+    assert impl.cheapest_threshold([float("nan")] * 3, [True] * 3, [True] * 3, 0.5) is None  # nothing can go cheap
     g = torch.Generator().manual_seed(1)
     confidences = torch.rand(40, generator=g).tolist()
     cheap_right = (torch.rand(40, generator=g) < torch.tensor(confidences)).tolist()
