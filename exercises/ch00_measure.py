@@ -6,6 +6,7 @@ notebook. Prefill (the whole prompt in one pass) decides the time to the first t
 """
 from __future__ import annotations
 
+import time  # noqa: F401  (time.perf_counter: for token_timestamps)
 from typing import Sequence
 
 import torch
