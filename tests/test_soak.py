@@ -33,7 +33,7 @@ def test_mixed_soak_leaks_no_block_and_no_request(tiny_llm):
     assert len(engine.blocks.cached) <= engine.blocks.num_blocks  # the prefix-cache map is bounded by the pool
 
 
-def test_async_engine_forgets_finished_and_cancelled_requests(tiny_llm):
+def test_async_engine_forgets_finished_failed_and_cancelled_requests(tiny_llm):
     async def main() -> AsyncEngine:
         engine = AsyncEngine(tiny_llm, max_waiting_requests=None)
         metrics = ServerMetrics(engine, "tiny")
@@ -44,14 +44,17 @@ def test_async_engine_forgets_finished_and_cancelled_requests(tiny_llm):
         async def one(i: int) -> None:
             params = SamplingParams(temperature=0.8, seed=i, max_tokens=rng.randint(2, 20), ignore_eos=True,
                                     n=rng.choice([1, 1, 2]))
-            async for _ in engine.generate({"prompt_token_ids": [rng.randrange(1, 500) for _ in range(8)]}, params):
+            length = 8 if i % 5 else 100_000  # every fifth fails: a prompt longer than the model's context
+            async for _ in engine.generate({"prompt_token_ids": [rng.randrange(1, 500) for _ in range(length)]}, params):
                 pass
 
         tasks = [asyncio.create_task(one(i)) for i in range(40)]
         await asyncio.sleep(0.05)
         for task in tasks[::3]:  # a third of the clients go away mid-way
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        failed = [o for o in outcomes if isinstance(o, ValueError)]
+        assert len(failed) == 8, outcomes  # refused at once, before any client goes away
         for _ in range(100):  # the aborts run on the engine thread within a step or two
             if not tiny_llm.has_unfinished_requests():
                 break
