@@ -27,7 +27,7 @@ def demo(args: argparse.Namespace) -> int:
         llm = LLM(args.model, dtype=args.dtype, device=args.device)
         print(f"loaded {args.model} ({llm.dtype}, {llm.device}) in {time.perf_counter() - start:.1f} s", file=sys.stderr)
         if getattr(llm.tokenizer, "chat_template", None):
-            prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
+            prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}])
         else:  # a base model (or the random test checkpoint) has no chat template: complete the text
             prompt = args.prompt
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)

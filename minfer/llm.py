@@ -166,7 +166,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if not conversations:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        prompts = [self.chat_prompt(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stream(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None) -> Iterator[RequestOutput]:
@@ -213,6 +213,12 @@ class LLM:
                 raise ValueError(f"each message must be {{'role': str, 'content': str}}, got {m!r}")
         return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
 
+    def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True) -> dict:
+        """The conversation as a prompt of token ids: the template writes its own special tokens (a BOS
+        among them), so its text is encoded without adding any, as vLLM does."""
+        text = self.apply_chat_template(conversation, add_generation_prompt)
+        return {"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False), "prompt": text}
+
     # ------------------------------------------------------------------ internals
     def _add_all(self, requests: list[Request]) -> None:
         """Queue checked requests; if the engine refuses one (it cannot fit the pool), take back the rest."""
@@ -228,7 +234,7 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError(f"prompt {index} is empty: give at least one character")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            ids = self.tokenizer.encode(prompt)  # with the special tokens the tokenizer adds (Llama's BOS), as vLLM
             text = prompt
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids, text = list(prompt["prompt_token_ids"]), prompt.get("prompt")

@@ -128,3 +128,29 @@ def test_bfloat16_model_generates_sensible_text():
     out = llm16.chat([{"role": "user", "content": "What is the capital of France?"}],
                      SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
+
+
+def test_text_prompts_get_the_tokenizers_bos_and_chat_prompts_no_second_one(tmp_path):
+    """As vLLM (and transformers' tokenizer(text)): a text prompt is encoded with the special tokens its tokenizer
+    adds (a Llama tokenizer's BOS); a chat template writes its own BOS, so its text is encoded without them."""
+    import shutil
+
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    from minfer import LLM
+    from minfer.testing import random_checkpoint
+
+    folder = random_checkpoint(str(tmp_path / "bos"), "tiny", seed=1)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    bos = tokenizer.convert_tokens_to_ids("<s>")
+    tokenizer._tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tokenizer.chat_template = "<s>{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    shutil.rmtree(folder + "/tokenizer.json", ignore_errors=True)
+    tokenizer.save_pretrained(folder)
+    llm = LLM(folder, dtype="float32", device="cpu", num_gpu_blocks_override=16)
+    t5, t6 = tokenizer.convert_tokens_to_ids(["t5", "t6"])
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    assert llm.generate("t5 t6", greedy, use_tqdm=False)[0].prompt_token_ids == [bos, t5, t6]
+    chat = llm.chat([{"role": "user", "content": "t5 t6"}], greedy, use_tqdm=False)[0]
+    assert chat.prompt_token_ids == [bos, t5, t6] and chat.prompt.startswith("<s>t5 t6")

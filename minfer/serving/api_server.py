@@ -129,8 +129,7 @@ def build_app(llm: LLM, served_model_name: str, api_key: Optional[str] = None,
         check_model(body.model)
         top_n = body.logprobs_count()
         params = body.sampling_params(body.token_limit(), top_n)
-        prompt = await engine.run_on_engine_thread(llm.apply_chat_template, body.conversation(),
-                                                   body.add_generation_prompt)
+        prompt = await engine.run_on_engine_thread(llm.chat_prompt, body.conversation(), body.add_generation_prompt)
         group = await engine.add_requests([prompt], params)
         response_id, created, model = api.new_id("chatcmpl"), api.now(), served_model_name
 
