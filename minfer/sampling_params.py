@@ -16,7 +16,8 @@ class SamplingParams:
     min_p: drop tokens below min_p x the top probability. seed: a private random stream for
     this request, so its samples do not depend on what else is in the batch. stop: strings that
     end the output (not included unless include_stop_str_in_output). stop_token_ids: extra
-    tokens that end it. ignore_eos: keep going past the end-of-sequence token.
+    tokens that end it (a stopping token, like end-of-sequence, is in token_ids but not in the
+    text unless include_stop_str_in_output). ignore_eos: keep going past the end-of-sequence token.
     max_tokens: the most tokens to generate. logprobs: for each generated token, also return its
     log-probability and those of the `logprobs` most likely tokens (0: the sampled token only;
     None: nothing). prompt_logprobs: the same for every prompt token (see `minfer.logprobs`).

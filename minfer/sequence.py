@@ -72,11 +72,13 @@ class Sequence:
         self.output_ids.append(token)
         self.metrics.num_output_tokens = len(self.output_ids)
         p = self.params
-        self.text = tokenizer.decode(self.output_ids, skip_special_tokens=p.skip_special_tokens)
-        if not p.ignore_eos and token in eos_ids:
-            self.finish_reason = "stop"
-        elif p.stop_token_ids and token in p.stop_token_ids:
-            self.finish_reason, self.stop_reason = "stop", token
+        eos = not p.ignore_eos and token in eos_ids
+        stop_id = not eos and bool(p.stop_token_ids) and token in p.stop_token_ids
+        # the token that stops a sequence stays in its token_ids but not in its text, as in vLLM
+        shown = self.output_ids[:-1] if (eos or stop_id) and not p.include_stop_str_in_output else self.output_ids
+        self.text = tokenizer.decode(shown, skip_special_tokens=p.skip_special_tokens)
+        if eos or stop_id:
+            self.finish_reason, self.stop_reason = "stop", token if stop_id else None
         elif self._truncate_at_stop_string():
             self.finish_reason = "stop"
         elif len(self.output_ids) >= self.max_tokens:

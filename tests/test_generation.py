@@ -88,6 +88,15 @@ def test_stop_token_ids(llm):
     out = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stopper]),
                        use_tqdm=False)[0].outputs[0]
     assert out.token_ids == full.token_ids[:full.token_ids.index(stopper) + 1] and out.stop_reason == stopper
+    # as in vLLM, the stopping token is in token_ids but not in the text, unless include_stop_str_in_output
+    decode = lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    assert out.text == decode(out.token_ids[:-1]) != decode(out.token_ids)
+    kept = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stopper],
+                                                   include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == decode(out.token_ids)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    raw = llm.chat(question, SamplingParams(temperature=0, max_tokens=60, skip_special_tokens=False), use_tqdm=False)
+    assert raw[0].outputs[0].finish_reason == "stop" and not raw[0].outputs[0].text.endswith("<|im_end|>")
 
 
 def test_stream_yields_growing_text_that_ends_like_generate(llm):
