@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import typing
 from dataclasses import dataclass
@@ -131,7 +132,9 @@ class EngineConfig:
 
     Speculative decoding: speculative_model ('[ngram]', a model name or path with the target's
     tokenizer, a shipped draft such as 'smollm2-135m-draft', a LlamaModel, or a `minfer.spec.Proposer`) with
-    num_speculative_tokens (1-16), both or neither.
+    num_speculative_tokens (1-16), both or neither. `from_kwargs` also takes vLLM's current form,
+    speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+    "prompt_lookup_min": 1} or {"model": name_or_path, "num_speculative_tokens": k}.
 
     enforce_eager: False compiles the decode steps (`minfer.engine.compiled_decode`); True or None
     (the default) runs every step eagerly: measured on CPU, compiling costs about 30 s and gains
@@ -178,9 +181,15 @@ class EngineConfig:
     def from_kwargs(cls, caller: str, **kwargs) -> "EngineConfig":
         """EngineConfig(**kwargs), with an error for an unknown name that says who was called and what is allowed."""
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - known)
+        unknown = sorted(set(kwargs) - known - {"speculative_config"})
         if unknown:
-            raise TypeError(f"{caller} got unexpected keyword arguments {unknown}; the engine arguments are {sorted(known)}")
+            raise TypeError(f"{caller} got unexpected keyword arguments {unknown}; the engine arguments are "
+                            f"{sorted(known | {'speculative_config'})}")
+        spec = kwargs.pop("speculative_config", None)
+        if spec is not None:
+            if kwargs.get("speculative_model") is not None or kwargs.get("num_speculative_tokens") is not None:
+                raise ValueError("give speculative_config or speculative_model with num_speculative_tokens, not both")
+            kwargs.update(speculative_args(spec))
         return cls(**kwargs)
 
     def __post_init__(self) -> None:
@@ -254,11 +263,44 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             convert = next((t for t in (int, float) if t in value_types), str)
             group.add_argument(flag, type=convert, default=f.default, metavar=convert.__name__.upper(),
                                help=f"default: {f.default}")
+    group.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+                       help='vLLM\'s form, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (see EngineConfig)')
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The engine arguments `add_engine_arguments` parsed, ready for `LLM(model, **kwargs)`."""
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
+    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
+    if getattr(args, "speculative_config", None) is not None:
+        kwargs["speculative_config"] = args.speculative_config
+    return kwargs
+
+
+SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+
+
+def speculative_args(spec: Any) -> dict[str, Any]:
+    """vLLM's speculative_config dict as minfer's speculative_model and num_speculative_tokens:
+    method "ngram" (prompt lookup, with its prompt_lookup_max/min) or a draft given as "model"."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"speculative_config must be a dict such as {{'method': 'ngram', 'num_speculative_tokens': 4}}, "
+                         f"got {spec!r}")
+    unknown = sorted(set(spec) - set(SPECULATIVE_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"speculative_config has keys minfer does not know: {unknown}; it takes {list(SPECULATIVE_CONFIG_KEYS)}")
+    if "num_speculative_tokens" not in spec:
+        raise ValueError(f"speculative_config needs num_speculative_tokens (how many tokens to propose), got {spec!r}")
+    method, model = spec.get("method"), spec.get("model")
+    lookup = {k: spec[k] for k in ("prompt_lookup_max", "prompt_lookup_min") if k in spec}
+    if method == "ngram" and model is None:
+        from minfer.spec.ngram import NgramProposer  # the proposer itself: its n-gram sizes come with it
+
+        proposer = NgramProposer(**lookup) if lookup else "[ngram]"
+    elif method in (None, "draft_model") and model is not None and not lookup:
+        proposer = model
+    else:
+        raise ValueError("speculative_config needs method 'ngram' (prompt lookup; prompt_lookup_max/min allowed) or a "
+                         f"draft as 'model' (method 'draft_model' or none), got {spec!r}")
+    return {"speculative_model": proposer, "num_speculative_tokens": spec.get("num_speculative_tokens")}
 
 
 def _is_positive_int(value) -> bool:

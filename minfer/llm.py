@@ -63,7 +63,7 @@ class LLM:
     output keeps exactly the target's distribution. Metrics: `llm.engine.spec_stats`.
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, attention: Union[str, AttentionFn] = "sdpa", **engine_args) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, *, attention: Union[str, AttentionFn] = "sdpa", **engine_args) -> None:
         config = EngineConfig.from_kwargs("LLM()", model=model, **engine_args)
         loaded = load_model(config.model, config.dtype)
         config.fit_to_model(loaded.config)
@@ -118,7 +118,7 @@ class LLM:
         self.model.attention_fn = get_attention_fn(attention)
 
     def generate(self, prompts: Union[PromptType, list[PromptType]],
-                 sampling_params: Union[SamplingParams, list[SamplingParams], None] = None,
+                 sampling_params: Union[SamplingParams, list[SamplingParams], None] = None, *,
                  use_tqdm: bool = True, use_cache: bool = True, batching: str = "continuous") -> list[RequestOutput]:
         """Generate completions for one prompt or a list (strings or {"prompt_token_ids": [...]}).
 
@@ -160,14 +160,14 @@ class LLM:
         return [r.to_output() for r in requests]
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],
-             sampling_params: Union[SamplingParams, list[SamplingParams], None] = None,
+             sampling_params: Union[SamplingParams, list[SamplingParams], None] = None, *,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if not conversations:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         prompts = [self.chat_prompt(c, add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stream(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None) -> Iterator[RequestOutput]:
         """Yield the request's output after every new token (cumulative text, as vLLM streams it)."""

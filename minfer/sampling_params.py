@@ -7,7 +7,7 @@ from typing import Optional, Union
 from minfer.logprobs import MAX_LOGPROBS
 
 
-@dataclass
+@dataclass(kw_only=True)  # keywords only, as in vLLM (whose fields come in another order)
 class SamplingParams:
     """The subset of vLLM's `SamplingParams` that minfer implements, with the same meanings.
 

@@ -119,3 +119,21 @@ def test_engine_from_keywords_equals_engine_from_config():
     assert by_keywords.scheduler.max_num_seqs == 3
     with pytest.raises(TypeError, match="not both"):
         Engine(model, Tokenizer(), EngineConfig(), max_num_seqs=3)
+
+
+def test_engine_flags_take_vllms_names_and_a_speculative_config():
+    import argparse
+
+    from minfer.config import add_engine_arguments, engine_kwargs_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--max-num-seqs", "4", "--no-enable-prefix-caching",
+                              "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    kwargs = engine_kwargs_from_args(args)
+    assert kwargs["max_num_seqs"] == 4 and kwargs["enable_prefix_caching"] is False
+    config = EngineConfig.from_kwargs("serve", model="x", **kwargs)
+    assert (config.speculative_model, config.num_speculative_tokens) == ("[ngram]", 2)
+    assert "speculative_config" not in engine_kwargs_from_args(parser.parse_args([]))
+    with pytest.raises(SystemExit):  # not JSON: argparse names the flag and exits
+        parser.parse_args(["--speculative-config", "ngram"])

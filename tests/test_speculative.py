@@ -260,6 +260,14 @@ def test_llm_speculative_api_and_metrics(tiny_small_vocab_dir):
     assert stats["draft_acceptance_rate"] > 0.14  # measured 0.43 (6 of 14 guesses on a repeating prompt): 3x headroom
     assert stats["mean_acceptance_length"] == 1 + stats["num_accepted_tokens"] / stats["num_drafts"]
     assert len(stats["acceptance_rate_per_position"]) == 3
+    # vLLM's current form of the same request, with the lookup's n-gram sizes
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+    by_config = tiny_llm(tiny_small_vocab_dir, speculative_config=config)
+    proposer = by_config.engine.proposer
+    assert isinstance(proposer, NgramProposer) and (proposer.max_n, proposer.min_n) == (3, 2)
+    assert by_config.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == \
+        plain.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert by_config.engine.spec_stats.as_dict()["num_drafts"] > 0
 
 
 def test_bad_speculative_arguments(tiny_small_vocab_dir, tiny_checkpoint):
@@ -269,7 +277,13 @@ def test_bad_speculative_arguments(tiny_small_vocab_dir, tiny_checkpoint):
                           (dict(speculative_model="[ngram]", num_speculative_tokens=17), r"integer in \[1, 16\]"),
                           (dict(speculative_model="[ngram]", num_speculative_tokens=True), r"integer in \[1, 16\]"),
                           (dict(speculative_model="[ngram]", num_speculative_tokens=2.0), r"integer in \[1, 16\]"),
-                          (dict(speculative_model=3, num_speculative_tokens=2), "speculative_model must be")]:
+                          (dict(speculative_model=3, num_speculative_tokens=2), "speculative_model must be"),
+                          (dict(speculative_config={"method": "eagle", "model": "x", "num_speculative_tokens": 2}),
+                           "method 'ngram'"),
+                          (dict(speculative_config={"method": "ngram"}), "needs num_speculative_tokens"),
+                          (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "k": 1}), r"\['k'\]"),
+                          (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+                                speculative_model="[ngram]"), "not both")]:
         with pytest.raises(ValueError, match=match):
             tiny_llm(tiny_small_vocab_dir, **kwargs)
     with pytest.raises(ValueError, match="no-such-draft"):
