@@ -68,6 +68,7 @@ class LLM:
         loaded = load_model(config.model, config.dtype)
         config.fit_to_model(loaded.config)
         self.config, self.tokenizer, self.model_path = loaded.config, loaded.tokenizer, loaded.path
+        eos = loaded.eos_token_ids  # the generation config's, beside the tokenizer's
         self.device, self.dtype = config.device, config.dtype
         self._seed_stream = torch.Generator().manual_seed(config.seed)
         self._request_counter = 0
@@ -77,7 +78,8 @@ class LLM:
             workers = TensorParallelWorkers(loaded, config, attention)
             del loaded
             self.model = workers.model
-            self.engine = Engine(self.model, self.tokenizer, config, runner=ParallelModelRunner(self.model, config, workers))
+            self.engine = Engine(self.model, self.tokenizer, config, runner=ParallelModelRunner(self.model, config, workers),
+                                 eos_token_ids=eos)
             return
         if loaded.quantization is not None:  # a saved quantized checkpoint (minfer.quant.checkpoint): as stored
             method, group_size = loaded.quantization["method"], loaded.quantization["group_size"]
@@ -101,7 +103,7 @@ class LLM:
         if config.device.type == "cpu":
             pack_linears(self.model)  # oneDNN's layout, once: faster matmuls (minfer.layers.linear)
         self.set_attention(attention)
-        self.engine = Engine(self.model, self.tokenizer, config)  # it makes the draft proposer, if any
+        self.engine = Engine(self.model, self.tokenizer, config, eos_token_ids=eos)  # it makes the draft proposer, if any
 
     @property
     def max_model_len(self) -> int:

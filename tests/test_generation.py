@@ -163,3 +163,28 @@ def test_text_prompts_get_the_tokenizers_bos_and_chat_prompts_no_second_one(tmp_
     assert llm.generate("t5 t6", greedy, use_tqdm=False)[0].prompt_token_ids == [bos, t5, t6]
     chat = llm.chat([{"role": "user", "content": "t5 t6"}], greedy, use_tqdm=False)[0]
     assert chat.prompt_token_ids == [bos, t5, t6] and chat.prompt.startswith("<s>t5 t6")
+
+
+def test_generation_config_eos_tokens_end_a_sequence(tmp_path, random_tiny_dir):
+    """A checkpoint's generation_config.json may list end-of-sequence tokens beyond the tokenizer's (Llama-3 and
+    Qwen2.5 instruct models do): generation stops at any of them, as in vLLM and transformers."""
+    import json
+    import shutil
+
+    from minfer import LLM
+
+    folder = tmp_path / "model"
+    shutil.copytree(random_tiny_dir, folder)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    free = LLM(str(folder), dtype="float32", device="cpu", num_gpu_blocks_override=16).generate(
+        prompt, greedy, use_tqdm=False)[0].outputs[0]
+    stopper = free.token_ids[2]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, stopper]}))
+    out = LLM(str(folder), dtype="float32", device="cpu", num_gpu_blocks_override=16).generate(
+        prompt, greedy, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free.token_ids[:free.token_ids.index(stopper) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason is None
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": "two"}))
+    with pytest.raises(ValueError, match="eos_token_id must be a token id or a list"):
+        LLM(str(folder), dtype="float32", device="cpu")

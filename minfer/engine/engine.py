@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 
@@ -72,18 +72,21 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: LlamaModel, tokenizer, config: Optional[EngineConfig] = None, *,
-                 use_kernels: Optional[bool] = None, runner: Optional[ModelRunner] = None, **engine_args) -> None:
+                 use_kernels: Optional[bool] = None, runner: Optional[ModelRunner] = None,
+                 eos_token_ids: Iterable[int] = (), **engine_args) -> None:
         """config: an EngineConfig, or its fields as keywords (vLLM's names; see `minfer.config`).
         With config.speculative_model (a name, a model, or a `Proposer` of your own), every decoding
         sequence gets up to config.num_speculative_tokens draft tokens, verified in the same pass as
         its last token (see minfer/spec). use_kernels: see `ModelRunner` (None: the Triton kernels on CUDA).
-        runner: a model runner made already (tensor parallelism's, `minfer.engine.parallel`)."""
+        runner: a model runner made already (tensor parallelism's, `minfer.engine.parallel`).
+        eos_token_ids: more tokens that end a sequence beside the tokenizer's eos_token_id (a
+        checkpoint's generation_config.json lists them)."""
         if config is not None and engine_args:
             raise TypeError(f"give an EngineConfig or keywords, not both (got {sorted(engine_args)})")
         config = config or EngineConfig.from_kwargs("Engine()", **engine_args)
         config.fit_to_model(model.config)
         self.config, self.model, self.tokenizer = config, model, tokenizer
-        self.eos_token_ids = {t for t in (tokenizer.eos_token_id,) if t is not None}
+        self.eos_token_ids = {t for t in (tokenizer.eos_token_id, *eos_token_ids) if t is not None}
         self.runner = runner or ModelRunner(model, config, use_kernels)
         # fp8's static scales, from a calibration text (a runner made elsewhere, tensor parallelism's,
         # keeps its pools' scales at 1, vLLM's default without calibrated scales)

@@ -41,6 +41,9 @@ class LoadedModel:
     # a quantized checkpoint's `quantization_config` (minfer.quant.checkpoint); its quantized tensors are
     # then in `weights` as stored, the float ones in the dtype asked for
     quantization: Optional[dict] = None
+    # generation_config.json's end-of-sequence tokens (Llama-3 and Qwen2.5 instruct models list more than
+    # the tokenizer's eos_token): generation stops at any of them, as in vLLM and transformers
+    eos_token_ids: tuple[int, ...] = ()
 
 
 def resolve_model_path(model: str) -> str:
@@ -272,7 +275,22 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     # quantized codes, scales and minimums stay exactly as stored
     weights = {name: w if quantization and is_quantized_tensor(name) else w.to(dtype) for name, w in weights.items()}
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return LoadedModel(config, weights, tokenizer, path, quantization)
+    return LoadedModel(config, weights, tokenizer, path, quantization, generation_eos_ids(path))
+
+
+def generation_eos_ids(folder: str) -> tuple[int, ...]:
+    """The eos_token_id of a checkpoint's generation_config.json (one id or a list); () without one."""
+    file = Path(folder) / "generation_config.json"
+    if not file.is_file():
+        return ()
+    try:
+        eos = json.loads(file.read_text()).get("eos_token_id")
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file} is not valid JSON ({exc})") from exc
+    ids = [eos] if isinstance(eos, int) else eos or []
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{file}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return tuple(ids)
 
 
 def save_hf_checkpoint(loaded: LoadedModel, folder: str) -> None:
@@ -295,4 +313,7 @@ def save_hf_checkpoint(loaded: LoadedModel, folder: str) -> None:
         hf["quantization_config"] = loaded.quantization
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
+    if loaded.eos_token_ids:
+        with open(os.path.join(folder, "generation_config.json"), "w") as f:
+            json.dump({"eos_token_id": list(loaded.eos_token_ids)}, f)
     tok.save_pretrained(folder)
