@@ -39,13 +39,13 @@ HBM_BYTES_PER_S = 3.35e12
 ALL_REDUCE_LATENCY_S = 10e-6
 
 
-def chat_prompts(llm: LLM, n: int) -> list[str]:
+def chat_prompts(llm: LLM, n: int) -> list[dict]:
     topics = ["the sky", "rain", "a CPU", "tea", "Python lists", "the moon", "bread", "music", "a bicycle", "snow"]
-    return [llm.apply_chat_template([{"role": "user", "content": f"Tell me about {topics[i % len(topics)]}."}])
+    return [llm.chat_prompt([{"role": "user", "content": f"Tell me about {topics[i % len(topics)]}."}])
             for i in range(n)]
 
 
-def run(llm: LLM, prompts: list[str], max_tokens: int) -> dict:
+def run(llm: LLM, prompts: list[dict], max_tokens: int) -> dict:
     """Step the engine by hand and record every step: its time, its rows, and the communication in it."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up

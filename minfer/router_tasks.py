@@ -102,7 +102,7 @@ def task_prompt_ids(tokenizer, task: Task) -> list[int]:
     """The task as the model's chat template presents it: a user turn, then the assistant's turn to answer."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": task.question}], tokenize=False,
                                          add_generation_prompt=True)
-    return tokenizer(text)["input_ids"]
+    return tokenizer.encode(text, add_special_tokens=False)  # the template writes its own special tokens
 
 
 def answer_tasks(model, tokenizer, tasks: list[Task], max_tokens: int = 16) -> list[dict]:

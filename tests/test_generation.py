@@ -184,7 +184,11 @@ def test_generation_config_eos_tokens_end_a_sequence(tmp_path, random_tiny_dir):
     out = LLM(str(folder), dtype="float32", device="cpu", num_gpu_blocks_override=16).generate(
         prompt, greedy, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == free.token_ids[:free.token_ids.index(stopper) + 1]
-    assert out.finish_reason == "stop" and out.stop_reason is None
+    assert out.finish_reason == "stop" and out.stop_reason == stopper  # vLLM folds these into stop_token_ids
+    from minfer.quant.checkpoint import quantize_checkpoint
+
+    quantized = quantize_checkpoint(str(folder), "int8", str(tmp_path / "int8"))  # a saved checkpoint keeps them
+    assert stopper in LLM(quantized, dtype="float32", device="cpu", num_gpu_blocks_override=16).engine.eos_token_ids
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": "two"}))
     with pytest.raises(ValueError, match="eos_token_id must be a token id or a list"):
         LLM(str(folder), dtype="float32", device="cpu")

@@ -124,7 +124,8 @@ def scrambled_checkpoint(model: str, folder: str, seed: int = 0) -> str:
 
     loaded = load_model(model, torch.float32)
     weights = scramble_weights(loaded.weights, loaded.config, seed)
-    save_hf_checkpoint(LoadedModel(loaded.config, weights, loaded.tokenizer, folder), folder)
+    save_hf_checkpoint(LoadedModel(loaded.config, weights, loaded.tokenizer, folder, eos_token_ids=loaded.eos_token_ids),
+                       folder)
     return folder
 
 

@@ -125,8 +125,9 @@ def decode_rate(llm, prompts: list, max_tokens: int, proposer: Optional[Proposer
             "spec": stats.as_dict(), "token_ids": [o.outputs[0].token_ids for o in outputs]}
 
 
-def grounded_prompts(llm, n: int, chars: int = 700) -> list[str]:
-    """Input-grounded tasks on pydoc passages: the answer copies much of its input (lookup's home ground)."""
+def grounded_prompts(llm, n: int, chars: int = 700) -> list[dict]:
+    """Input-grounded tasks on pydoc passages: the answer copies much of its input (lookup's home ground).
+    Chat prompts as token ids (`LLM.chat_prompt`)."""
     import pydoc_data.topics
 
     topics = pydoc_data.topics.topics
@@ -142,7 +143,7 @@ def grounded_prompts(llm, n: int, chars: int = 700) -> list[str]:
                 if chars_[j].isalpha() and chars_[j + 1].isalpha():
                     chars_[j], chars_[j + 1] = chars_[j + 1], chars_[j]
             text = "".join(chars_)
-        prompts.append(llm.apply_chat_template([{"role": "user", "content": f"{tasks[i % len(tasks)]}\n\n{text}"}]))
+        prompts.append(llm.chat_prompt([{"role": "user", "content": f"{tasks[i % len(tasks)]}\n\n{text}"}]))
     return prompts
 
 
@@ -151,6 +152,6 @@ CHAT_QUESTIONS = ["Write a short story about a robot who learns to paint.", "Wha
                   "Describe a perfect weekend in the mountains.", "Why is the sky blue?"]
 
 
-def chat_prompts(llm, n: int) -> list[str]:
-    """Open chat: nothing to copy from, so only a draft model can guess."""
-    return [llm.apply_chat_template([{"role": "user", "content": q}]) for q in CHAT_QUESTIONS[:n]]
+def chat_prompts(llm, n: int) -> list[dict]:
+    """Open chat: nothing to copy from, so only a draft model can guess (prompts as token ids)."""
+    return [llm.chat_prompt([{"role": "user", "content": q}]) for q in CHAT_QUESTIONS[:n]]

@@ -313,7 +313,10 @@ def save_hf_checkpoint(loaded: LoadedModel, folder: str) -> None:
         hf["quantization_config"] = loaded.quantization
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
+    generation_config = os.path.join(folder, "generation_config.json")
     if loaded.eos_token_ids:
-        with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        with open(generation_config, "w") as f:
             json.dump({"eos_token_id": list(loaded.eos_token_ids)}, f)
+    elif os.path.exists(generation_config):  # an earlier checkpoint's, in a folder written over
+        os.remove(generation_config)
     tok.save_pretrained(folder)

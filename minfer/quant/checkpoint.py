@@ -101,14 +101,18 @@ def check_quantization_config(entry, model_config, where: str) -> None:
                          f"desc_act true or false), got {entry}")
 
 
-def save_quantized(llm_or_model: Union[object, nn.Module], out_dir: str, tokenizer=None) -> str:
+def save_quantized(llm_or_model: Union[object, nn.Module], out_dir: str, tokenizer=None,
+                   eos_token_ids: tuple[int, ...] = ()) -> str:
     """Write a quantized LLM, or a quantized LlamaModel with its tokenizer, as a checkpoint; returns out_dir.
 
     The model must come from `quantize_model` (which records how it was quantized), with its int4
-    layers in minfer's packed layout (any backend but "torch"; see the module docstring).
+    layers in minfer's packed layout (any backend but "torch"; see the module docstring). An LLM's
+    end-of-sequence tokens go with it (generation_config.json); a bare model's are eos_token_ids.
     """
     model = llm_or_model if isinstance(llm_or_model, nn.Module) else llm_or_model.model
     tokenizer = tokenizer if isinstance(llm_or_model, nn.Module) else llm_or_model.tokenizer
+    if not isinstance(llm_or_model, nn.Module):
+        eos_token_ids = tuple(sorted(llm_or_model.engine.eos_token_ids))
     if tokenizer is None:
         raise ValueError("save_quantized needs the tokenizer with a bare model: save_quantized(model, out_dir, tokenizer)")
     how = getattr(model, "quantization", None)  # recorded by quantize_model
@@ -127,7 +131,8 @@ def save_quantized(llm_or_model: Union[object, nn.Module], out_dir: str, tokeniz
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue  # a float tied head is the embedding
         tensors[name if name.startswith("lm_head.") else "model." + name] = tensor
-    save_hf_checkpoint(LoadedModel(model.config, tensors, tokenizer, out_dir, quantization_config(**how)), out_dir)
+    save_hf_checkpoint(LoadedModel(model.config, tensors, tokenizer, out_dir, quantization_config(**how),
+                                   tuple(eos_token_ids)), out_dir)
     return out_dir
 
 
@@ -187,7 +192,7 @@ def quantize_checkpoint(model: str, method: str, out_dir: str, group_size: Optio
     net = LlamaModel.from_weights(loaded.config, loaded.weights, dtype, "cpu")
     calibration = calibration_token_ids(loaded.tokenizer) if method in CALIBRATED_METHODS else None
     quantize_model(net, method, group_size, backend="reference", calibration_token_ids=calibration)
-    return save_quantized(net, out_dir, loaded.tokenizer)
+    return save_quantized(net, out_dir, loaded.tokenizer, loaded.eos_token_ids)
 
 
 def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
