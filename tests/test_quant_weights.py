@@ -164,6 +164,18 @@ KERNEL_SCRIPT = textwrap.dedent("""
 """)
 
 
+def test_k_slices_leave_no_slice_empty(monkeypatch):
+    from minfer.kernels import quant_matmul
+
+    x = torch.zeros(1, 25 * 64)
+    assert quant_matmul.k_slices(x, 576, 25 * 64, 16, 64, 64, 1) == (1, 25)  # the default: K whole
+    assert quant_matmul.k_slices(x, 576, 25 * 64, 16, 64, 64, 6) == (6, 5)   # as asked: the sixth slice is empty
+    monkeypatch.setattr(quant_matmul, "num_k_splits", lambda x, tiles, k_steps: 6)  # a GPU's choice, here
+    assert quant_matmul.k_slices(x, 576, 25 * 64, 16, 64, 64, None) == (5, 5)  # 25 steps: five slices of five
+    with pytest.raises(ValueError, match="num_splits must be between 1 and the 25 K steps of 64, got 26"):
+        quant_matmul.k_slices(x, 576, 25 * 64, 16, 64, 64, 26)
+
+
 @pytest.mark.slow
 def test_triton_kernels_match_reference_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")

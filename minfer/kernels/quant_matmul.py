@@ -31,11 +31,11 @@ registers, one tile at a time; memory is read in the small format.
 
 Split-K: a decode step has one row, so the grid is one program per ``BLOCK_N`` outputs: 9 programs for
 SmolLM2's 576-wide projections, on a GPU with over a hundred SMs. Most of the chip would sit idle and
-the weights would stream through a few SMs' load units. So on CUDA the wrappers also cut K into
-``num_splits`` slices (a third grid axis): each program sums its slice into a float32 partial, and a
-``sum`` over the slices finishes the job. The partials are ``splits x M x N`` floats, tiny next to
-the weights at decode sizes. ``num_k_splits`` picks the count: enough programs for two per SM, with
-at least four K steps per slice; prefill-sized M already fills the grid and gets one slice.
+the weights would stream through a few SMs' load units. Cutting K into ``num_splits`` slices (a third
+grid axis) gives more programs: each sums its slice into a float32 partial, and a ``sum`` over the
+slices finishes the job, at the price of that sum (and a cast) as two more launches. ``num_splits=None``
+lets ``num_k_splits`` choose (toward two programs per SM, slices of at least four K steps); the default
+stays one slice until ``benchmarks/bench_kernels.py``, which times both, shows on a GPU that it pays.
 
 A tensor core multiplies tiles of at least 16 rows, so a decode step's single row is padded to
 ``BLOCK_M = 16`` and masked (older Triton versions refuse a smaller ``tl.dot``; newer ones pad it
@@ -52,7 +52,6 @@ Each wrapper runs its Triton kernel on CUDA tensors or under TRITON_INTERPRET=1 
 """
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -134,33 +133,37 @@ def matmul_warps(dtype: torch.dtype) -> int:
     return 8 if dtype == torch.float32 else 4
 
 
-@lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def num_k_splits(x: torch.Tensor, tiles: int, k_steps: int) -> int:
     """How many slices of K to give each output tile: 1 off CUDA (the interpreter gains nothing) and
     wherever the tiles already give every SM two programs; else enough slices for that, each at least
     four BLOCK_K steps long (shorter slices spend more on their partials than they gain)."""
     if x.device.type != "cuda":
         return 1
-    wanted = triton.cdiv(2 * _sm_count(x.device.index or 0), tiles)
-    return max(1, min(wanted, k_steps // 4))
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count  # torch caches the properties
+    return max(1, min(triton.cdiv(2 * sms, tiles), k_steps // 4))
+
+
+def k_slices(x: torch.Tensor, n: int, k: int, block_m: int, block_n: int, block_k: int,
+             num_splits: Optional[int]) -> tuple[int, int]:
+    """(slices of K, BLOCK_K steps per slice) for x [..., K] @ W.T with W [N, K]: num_splits as given
+    (1 to the number of K steps), or None for ``num_k_splits``' choice, with no slice left empty."""
+    rows = x.numel() // x.shape[-1]
+    k_steps = triton.cdiv(k, block_k)
+    tiles = triton.cdiv(rows, block_m) * triton.cdiv(n, block_n)
+    splits = num_k_splits(x, tiles, k_steps) if num_splits is None else num_splits
+    if not 1 <= splits <= k_steps:
+        raise ValueError(f"num_splits must be between 1 and the {k_steps} K steps of {block_k}, got {splits}")
+    steps = triton.cdiv(k_steps, splits)
+    return (triton.cdiv(k_steps, steps) if num_splits is None else splits), steps  # 25 steps: 5 slices of 5, not 6
 
 
 def _launch(x: torch.Tensor, n: int, k: int, block_m: int, block_n: int, block_k: int, num_splits: Optional[int]):
     """x as rows [M, K], the output (float32 partials [splits, M, N] when K is split), the grid, K per slice."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    tiles = (triton.cdiv(x2.shape[0], block_m), triton.cdiv(n, block_n))
-    k_steps = triton.cdiv(k, block_k)
-    splits = num_k_splits(x, tiles[0] * tiles[1], k_steps) if num_splits is None else num_splits
-    if not 1 <= splits <= k_steps:
-        raise ValueError(f"num_splits must be between 1 and the {k_steps} K steps of {block_k}, got {splits}")
-    k_per_split = triton.cdiv(k_steps, splits) * block_k
+    splits, steps = k_slices(x2, n, k, block_m, block_n, block_k, num_splits)
     out = (torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device) if splits == 1
            else torch.empty(splits, x2.shape[0], n, dtype=torch.float32, device=x.device))
-    return x2, out, (*tiles, splits), k_per_split
+    return x2, out, (triton.cdiv(x2.shape[0], block_m), triton.cdiv(n, block_n), splits), steps * block_k
 
 
 def _finish(out: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
@@ -171,12 +174,12 @@ def _finish(out: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, block_m: int = 16, block_n: int = 64,
-                block_k: int = 64, num_splits: Optional[int] = None) -> torch.Tensor:
+                block_k: int = 64, num_splits: Optional[int] = 1) -> torch.Tensor:
     """The Triton kernel for ``int8_matmul_reference`` (same arguments, same result within float rounding).
 
     q must be contiguous int8 [N, K] and scale float32 [N]. The block sizes are tuning knobs
-    (powers of two, at least 16); num_splits slices K (None: ``num_k_splits`` chooses). Falls back to
-    the reference off CUDA without TRITON_INTERPRET=1.
+    (powers of two, at least 16); num_splits slices K (split-K; None: ``num_k_splits`` chooses). Falls
+    back to the reference off CUDA without TRITON_INTERPRET=1.
     """
     if not use_triton(x):
         return int8_matmul_reference(x, q, scale)
@@ -189,12 +192,12 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, block_
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, *,
-                block_m: int = 16, block_n: int = 64, block_k: int = 32, num_splits: Optional[int] = None) -> torch.Tensor:
+                block_m: int = 16, block_n: int = 64, block_k: int = 32, num_splits: Optional[int] = 1) -> torch.Tensor:
     """The Triton kernel for ``int4_matmul_reference`` (same arguments, same result within float rounding).
 
     packed: contiguous uint8 [N, K // 2]; scale, minimum: float16 [N, K // group_size]. block_k must
-    divide the group size (32 divides every allowed one); num_splits slices K (None: ``num_k_splits``
-    chooses). Falls back to the reference off CUDA without TRITON_INTERPRET=1.
+    divide the group size (32 divides every allowed one); num_splits slices K (split-K; None:
+    ``num_k_splits`` chooses). Falls back to the reference off CUDA without TRITON_INTERPRET=1.
     """
     n, k = packed.shape[0], packed.shape[1] * 2
     group_size = k // scale.shape[1]
