@@ -78,11 +78,13 @@ def why_no_report(proc: subprocess.CompletedProcess) -> str:
     """Why pytest wrote no report: the test process crashed (in this course, most often a kernel that read or
     wrote outside a tensor), or pytest refused to start (a usage error)."""
     crash = proc.stderr.find("Fatal Python error")
-    if proc.returncode < 0 or crash >= 0:
-        how = f"killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0 else "a fatal error"
-        return (f"the test process crashed ({how}). In a Triton kernel that is most often a tl.load or tl.store "
-                "outside a tensor: a mask missing on some load. Where it crashed (the first lines name your file's "
-                f"line, the later ones the test):\n{proc.stderr[max(crash, 0):][:3000]}")
+    killer = signal.Signals(-proc.returncode).name if proc.returncode < 0 else None
+    if crash >= 0 or killer in ("SIGSEGV", "SIGBUS"):
+        return (f"the test process crashed ({killer or 'a fatal error'}). In a Triton kernel that is most often a "
+                "tl.load or tl.store outside a tensor: a mask missing on some load. Where it crashed (the first lines "
+                f"name your file's line, the later ones the test):\n{proc.stderr[max(crash, 0):][:3000]}")
+    if killer:  # SIGKILL from the out-of-memory killer, say: no traceback to show, only what came last
+        return f"the test process was killed by {killer}; the end of its output:\n{proc.stderr[-3000:]}"
     return f"pytest did not run:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
 
 

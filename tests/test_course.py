@@ -26,8 +26,10 @@ def test_a_crashed_test_process_is_reported_as_a_crash(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_crash.py"],
                           cwd=tmp_path, capture_output=True, text=True)
     message = why_no_report(proc)
-    assert message.startswith("the test process crashed (killed by SIGSEGV)"), message
+    assert message.startswith("the test process crashed (SIGSEGV)"), message
     assert "test_crash.py" in message and "test_reads_address_zero" in message, message
+    killed = subprocess.CompletedProcess([], -9, "", "...\nlast words")  # the out-of-memory killer, say
+    assert why_no_report(killed) == "the test process was killed by SIGKILL; the end of its output:\n...\nlast words"
     usage = subprocess.run([sys.executable, "-m", "pytest", "--no-such-option"], cwd=tmp_path, capture_output=True,
                            text=True)
     assert why_no_report(usage).startswith("pytest did not run") and "no-such-option" in why_no_report(usage)

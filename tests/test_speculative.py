@@ -281,6 +281,8 @@ def test_bad_speculative_arguments(tiny_small_vocab_dir, tiny_checkpoint):
                           (dict(speculative_config={"method": "eagle", "model": "x", "num_speculative_tokens": 2}),
                            "method 'ngram'"),
                           (dict(speculative_config={"method": "ngram"}), "needs num_speculative_tokens"),
+                          (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                    "prompt_lookup_max": 2.5}), "must be integers"),
                           (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "k": 1}), r"\['k'\]"),
                           (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2},
                                 speculative_model="[ngram]"), "not both")]:
