@@ -10,7 +10,8 @@ Steps, all on the CPU with fixed seeds, nothing downloaded:
      with straight-through gradients to match the float model's logits (KL), on pydoc topics kept
      apart from the evaluation text (`minfer.quant.qat.training_topics`), bfloat16 autocast;
   3. quantize the tuned weights to plain int4 g64 and save the checkpoint (`--out`, default
-     `minfer.quant.qat.default_checkpoint_dir()`, outside the repository: about 145 MB);
+     `minfer.quant.qat.default_checkpoint_dir()`, outside the repository: about 200 MB, the float32 embedding
+     being 113 MB of it);
   4. measure through the engine (`minfer.evaluate`, the benchmark's full preset): perplexity and
      greedy agreement of the float model, plain int4 g64 and the QAT int4 g64 model, and each kind of
      matrix's quantization error; all written to --json with the loss curve and the times.
