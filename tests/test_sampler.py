@@ -30,6 +30,13 @@ def test_min_p_and_temperature():
     assert torch.allclose(filter_logits(LOGITS, 2.0, 0, 1.0), LOGITS / 2)
 
 
+def test_min_p_comes_before_top_p_as_in_vllm():
+    # min_p 0.3 drops 0.1 (below 0.3 x 0.4); renormalised, the first two hold 0.78 >= 0.75, so top_p keeps two.
+    # Top-p first would keep three (0.4 + 0.3 < 0.75) and min-p would then drop none of them.
+    logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    assert kept(filter_logits(logits, 1.0, top_k=0, top_p=0.75, min_p=0.3)) == [0, 1]
+
+
 def test_sampling_follows_the_distribution():
     logits = LOGITS[None].repeat(1, 1)
     gen = torch.Generator().manual_seed(0)

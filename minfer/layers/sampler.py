@@ -9,8 +9,13 @@ from minfer.sampling_params import SamplingParams
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
-    """Scale one row of logits [vocab] by temperature and set the tokens we may not pick to -inf."""
+    """Scale one row of logits [vocab] by temperature and set the tokens we may not pick to -inf.
+
+    In vLLM's order: temperature, min-p, then top-k and top-p (so top-p counts the mass min-p left)."""
     logits = logits / temperature
+    if min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
     if top_k > 0 and top_k < logits.shape[-1]:
         kth_value = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth_value, float("-inf"))
@@ -20,9 +25,6 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
         # drop a token when the tokens ranked above it already cover top_p (the top one always stays)
         drop_sorted = probs.cumsum(-1) - probs >= top_p
         logits = logits.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
-    if min_p > 0.0:
-        probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
     return logits
 
 
