@@ -73,13 +73,12 @@ class Sequence:
         self.metrics.num_output_tokens = len(self.output_ids)
         p = self.params
         eos = not p.ignore_eos and token in eos_ids
-        stop_id = not eos and bool(p.stop_token_ids) and token in p.stop_token_ids
+        stopped = eos or token in (p.stop_token_ids or ())
         # the token that stops a sequence stays in its token_ids but not in its text, as in vLLM
-        shown = self.output_ids[:-1] if (eos or stop_id) and not p.include_stop_str_in_output else self.output_ids
+        shown = self.output_ids[:-1] if stopped and not p.include_stop_str_in_output else self.output_ids
         self.text = tokenizer.decode(shown, skip_special_tokens=p.skip_special_tokens)
-        if eos or stop_id:  # stop_reason: None for the tokenizer's own EOS, else the token (vLLM's convention)
-            self.finish_reason = "stop"
-            self.stop_reason = token if stop_id or token != tokenizer.eos_token_id else None
+        if stopped:  # stop_reason: None for the tokenizer's own EOS, else the token (vLLM's convention)
+            self.finish_reason, self.stop_reason = "stop", None if eos and token == tokenizer.eos_token_id else token
         elif self._truncate_at_stop_string():
             self.finish_reason = "stop"
         elif len(self.output_ids) >= self.max_tokens:

@@ -158,18 +158,16 @@ def k_slices(x: torch.Tensor, n: int, k: int, block_m: int, block_n: int, block_
 
 
 def _launch(x: torch.Tensor, n: int, k: int, block_m: int, block_n: int, block_k: int, num_splits: Optional[int]):
-    """x as rows [M, K], the output (float32 partials [splits, M, N] when K is split), the grid, K per slice."""
+    """x as rows [M, K], the output [splits, M, N] (x's dtype unsplit, float32 partials split), the grid, K per slice."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     splits, steps = k_slices(x2, n, k, block_m, block_n, block_k, num_splits)
-    out = (torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device) if splits == 1
-           else torch.empty(splits, x2.shape[0], n, dtype=torch.float32, device=x.device))
+    out = torch.empty(splits, x2.shape[0], n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
     return x2, out, (triton.cdiv(x2.shape[0], block_m), triton.cdiv(n, block_n), splits), steps * block_k
 
 
 def _finish(out: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
-    """The partials of a split K summed (in float32) and cast; an unsplit output as it is."""
-    if out.dim() == 3:
-        out = out.sum(0).to(x.dtype)
+    """The slices' partials summed (in float32) and cast; a single slice as it is."""
+    out = out[0] if out.shape[0] == 1 else out.sum(0).to(x.dtype)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -186,7 +184,7 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, block_
     n, k = q.shape
     x2, out, grid, k_per_split = _launch(x, n, k, block_m, block_n, block_k, num_splits)
     _int8_matmul_kernel[grid](x2, q, scale, out, x2.shape[0], n, k, k_per_split,
-                              x2.stride(0), q.stride(0), out.stride(-2), out.stride(0) if out.dim() == 3 else 0,
+                              x2.stride(0), q.stride(0), out.stride(1), out.stride(0),
                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=matmul_warps(x.dtype))
     return _finish(out, x, n)
 
@@ -207,8 +205,7 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, mini
         return int4_matmul_reference(x, packed, scale, minimum)
     x2, out, grid, k_per_split = _launch(x, n, k, block_m, block_n, block_k, num_splits)
     _int4_matmul_kernel[grid](x2, packed, scale, minimum, out, x2.shape[0], n, k, k_per_split,
-                              x2.stride(0), packed.stride(0), scale.stride(0), out.stride(-2),
-                              out.stride(0) if out.dim() == 3 else 0,
+                              x2.stride(0), packed.stride(0), scale.stride(0), out.stride(1), out.stride(0),
                               GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                               num_warps=matmul_warps(x.dtype))
     return _finish(out, x, n)
