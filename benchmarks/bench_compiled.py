@@ -1,11 +1,12 @@
-"""Eager vs compiled decode steps (LLM(enforce_eager=True|False)), side by side in one run.
+"""Eager vs enforce_eager=False decode steps, side by side in one run: through torch.compile on a CPU,
+replayed as CUDA graphs on CUDA (minfer/engine/cuda_graphs.py).
 
     python benchmarks/bench_compiled.py                      # SmolLM2-135M on CPU, bfloat16, batch 1 and 16
     python benchmarks/bench_compiled.py --device cuda --random-weights smollm2-135m --json out.json
 
 For each dtype it loads the model twice (eager and compiled), then for each batch size times greedy
 decoding with both, interleaved, best of --repeats, and reports the compile time (the first run of
-each new batch bucket) and whether both generated the same tokens. The numbers behind the default of
+each new batch bucket; on CUDA, recording its graph) and whether both generated the same tokens. The numbers behind the default of
 `enforce_eager` (see minfer/config.py) come from here.
 """
 from __future__ import annotations
@@ -52,10 +53,11 @@ def run(model: str, device: str, dtypes: list[str], batch_sizes: list[int], max_
 def format_markdown(result: dict, command: str) -> str:
     m = result["machine"]
     hw = m.get("gpu") or f"{m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads)"
+    name = "CUDA graphs" if str(m["device"]).startswith("cuda") else "compiled"
     lines = [f"Command: `{command}`  ", f"Machine: {hw}; torch {m['torch']}, device {m['device']}  ",
              f"Model: {result['model']}; prompts of 64 tokens, {result['max_tokens']} greedy tokens, "
              f"best of {result['repeats']}", "",
-             "| dtype | batch | eager TPOT (ms) | compiled TPOT (ms) | compiled speedup | first compiled run (s) | same tokens |",
+             f"| dtype | batch | eager TPOT (ms) | {name} TPOT (ms) | {name} speedup | first {name} run (s) | same tokens |",
              "|---|---:|---:|---:|---:|---:|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['dtype']} | {r['batch_size']} | {r['eager_tpot_s'] * 1e3:.1f} | {r['compiled_tpot_s'] * 1e3:.1f} "

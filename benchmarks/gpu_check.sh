@@ -139,7 +139,7 @@ if [[ "$DEVICE" == cuda* ]] && part kernels; then
         2>&1 | tee "$OUT/bench_kernels.log" || status=$?
 fi
 if [[ "$DEVICE" == cuda* ]] && part compiled; then
-    # The engine's decode step eager vs through torch.compile (enforce_eager), on the paged pool and kernels.
+    # The engine's decode step eager vs enforce_eager=False (on CUDA: replayed as CUDA graphs), random weights.
     "${TIMEOUT[@]}" "$(limit 120)" "$PYTHON" benchmarks/bench_compiled.py --random-weights "$SHAPES" --device "$DEVICE" \
         --dtypes bfloat16 --batch-sizes 1 16 --json "$OUT/bench_compiled.json" 2>&1 | tee "$OUT/bench_compiled.log" || status=$?
 fi

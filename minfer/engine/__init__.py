@@ -7,6 +7,7 @@ Where a request goes, file by file:
     block_manager.py      ... and which KV blocks hold them (shared prefixes found by hash)
     model_runner.py     run: the step's tensors, the forward pass, batched sampling
     paged_kv.py           during the forward pass: storing K/V in the pool and attending over it
-    compiled_decode.py    the same decode step through torch.compile (enforce_eager=False)
+    cuda_graphs.py        enforce_eager=False on CUDA: decode steps replayed as CUDA graphs
+    compiled_decode.py    enforce_eager=False elsewhere: the decode step through torch.compile
     engine.py           postprocess: append tokens (or accept drafts), finish, free blocks, outputs
 """

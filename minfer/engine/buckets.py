@@ -9,8 +9,8 @@ max_num_batched_tokens as requests come and go, and every new T is a new matmul 
   cache (up to ONEDNN_PRIMITIVE_CACHE_CAPACITY = 1024 entries by default): a long-running server
   pays compiles in its decode loop and its resident memory climbs until the cache is full;
 * compiled decode (`minfer.engine.compiled_decode`, `enforce_eager=False`) compiles one graph per
-  step shape, so it needs a bounded set of sizes too: one graph per bucket (CUDA graphs, captured for
-  one fixed shape each, would need the same).
+  step shape, so it needs a bounded set of sizes too: one graph per bucket (CUDA graphs, recorded for
+  one fixed shape each, use the same sizes: `minfer.engine.cuda_graphs`).
 
 So the model runner pads each step to `bucket_for(T)` tokens. The padding rows go through the
 linear layers and the norms (row by row: they change no real row), attention skips them

@@ -12,7 +12,8 @@ sequences and tokens:
 * the forward pass, with logits only where someone reads them;
 * batched sampling: one call draws the next token of every sequence that gets one, each row with
   its own settings and its own random generator;
-* with enforce_eager=False, decode steps through the compiled model (`compiled_decode.py`).
+* with enforce_eager=False, decode steps replayed as CUDA graphs on CUDA (`cuda_graphs.py`), through
+  the compiled model elsewhere (`compiled_decode.py`).
 
     runner = ModelRunner(model, config)
     step = runner.run(batch)        # batch: [(sequence, new tokens), ...] from the scheduler
@@ -28,6 +29,7 @@ import torch
 from minfer.config import CPU_KV_CACHE_BYTES, EngineConfig
 from minfer.engine.buckets import bucket_for
 from minfer.engine.compiled_decode import MAX_COMPILED_TOKENS, CompiledDecode
+from minfer.engine.cuda_graphs import DecodeGraphs
 from minfer.engine.paged_kv import KVPool, PagedStep, SequenceSlice
 from minfer.layers.attention import attention_sdpa
 from minfer.layers.sampler import sample_next_tokens
@@ -72,12 +74,15 @@ class PreparedStep:
                 and len(self.sampled) == len(self.paged.slices) and all(not s.spec_token_ids for s, _ in self.sampled))
 
 
+def blocks_per_sequence(config: EngineConfig) -> int:
+    """The most KV blocks one sequence can hold: max_model_len tokens and room for its speculative guesses."""
+    return -(-(config.max_model_len + (config.num_speculative_tokens or 0) + 1) // config.block_size)
+
+
 def max_usable_blocks(config: EngineConfig) -> int:
-    """The most KV blocks the running sequences can hold at once: max_num_seqs sequences of max_model_len
-    tokens, each with room for its speculative guesses. A bigger pool would only keep more freed blocks for
-    prefix-cache hits."""
-    per_sequence = config.max_model_len + (config.num_speculative_tokens or 0) + 1
-    return config.max_num_seqs * -(-per_sequence // config.block_size)
+    """The most KV blocks the running sequences can hold at once: max_num_seqs sequences of
+    `blocks_per_sequence`. A bigger pool would only keep more freed blocks for prefix-cache hits."""
+    return config.max_num_seqs * blocks_per_sequence(config)
 
 
 @torch.inference_mode()
@@ -99,9 +104,12 @@ class ModelRunner:
         self.device = weight.device
         num_blocks = config.num_gpu_blocks_override or self._blocks_for_memory()
         self.pool = KVPool(model.config, num_blocks, config.block_size, weight.dtype, self.device, config.kv_cache_dtype)
-        # Eager unless asked (see EngineConfig.enforce_eager for the measurements behind it).
+        # Eager unless asked (see EngineConfig.enforce_eager for the measurements behind it). Asked: on CUDA,
+        # decode steps replay CUDA graphs of the eager model; on CPU (or for MoE models) they run compiled.
         eager = True if config.enforce_eager is None else config.enforce_eager
-        self.compiled = None if eager else CompiledDecode(model)
+        graphs = not eager and self.device.type == "cuda" and DecodeGraphs.supports(model)
+        self.graphs = DecodeGraphs(model, self.pool, config.max_num_seqs, blocks_per_sequence(config)) if graphs else None
+        self.compiled = None if eager or graphs else CompiledDecode(model)
         self.pad_to_buckets = config.bucket_step_shapes or self.compiled is not None  # a graph per shape needs buckets
 
     def _blocks_for_memory(self) -> int:
@@ -176,9 +184,10 @@ class ModelRunner:
     def run(self, batch: list[tuple[Sequence, int]]) -> StepOutput:
         """Prepare, run the model, and sample every sequence that gets a plain next token."""
         step = self.prepare(batch)
-        if self.compiled is not None and step.plain_decode and step.input_ids.shape[1] <= MAX_COMPILED_TOKENS:
+        logits = self.graphs(step) if self.graphs is not None and self.graphs.serves(step) else None
+        if logits is None and self.compiled is not None and step.plain_decode and step.input_ids.shape[1] <= MAX_COMPILED_TOKENS:
             logits = self.compiled(step.input_ids, step.positions, step.paged, step.logits_indices)[0]
-        else:
+        elif logits is None:
             logits = self.model(step.input_ids, step.positions, step.paged, logits_indices=step.logits_indices)[0]
         plain = [i for i, (seq, _) in enumerate(step.sampled) if not seq.spec_token_ids]
         seqs = [step.sampled[i][0] for i in plain]

@@ -213,27 +213,41 @@ class PagedStep:
         return out
 
     def _attend_with_kernels(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The Triton path (CUDA): write the new K/V into their slots, then read K/V straight from
-        the pool through the block tables, without gathering copies."""
-        from minfer.kernels.paged_cache import write_kv
-        from minfer.kernels.paged_decode_attention import paged_decode_attention
-        from minfer.kernels.paged_prefill_attention import paged_prefill_attention
+        prefill = ((self.prefill_tables, self.prefill_cu_seqlens, self.prefill_lens, self.prefill_max_q_len)
+                   if self.prefills else None)
+        decode = (self.decode_tables, self.decode_lens) if self.decodes else None
+        return attend_with_kernels(self.pool, layer, q, k, v, self.slot_mapping, self.decode_start, prefill, decode)
 
-        k_pool, v_pool = self.pool.layer(layer)
-        k_scales, v_scales = self.pool.scales(layer)  # None unless the pools are int8 or fp8
-        write_kv(k_pool, v_pool, k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous(), self.slot_mapping,
-                 k_scales, v_scales)
-        tokens = q[0].transpose(0, 1).contiguous()  # [tokens, heads, dim]
-        out = torch.empty_like(tokens)
-        split = self.decode_start
-        if self.prefills:
-            out[:split] = paged_prefill_attention(tokens[:split], k_pool, v_pool, self.prefill_tables,
-                                                  self.prefill_cu_seqlens, self.prefill_lens,
-                                                  k_scales=k_scales, v_scales=v_scales, max_q_len=self.prefill_max_q_len)
-        if self.decodes:
-            out[split:] = paged_decode_attention(tokens[split:], k_pool, v_pool, self.decode_tables, self.decode_lens,
-                                                 k_scales=k_scales, v_scales=v_scales)
-        return out.transpose(0, 1).unsqueeze(0)
+
+def attend_with_kernels(pool: KVPool, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        slot_mapping: torch.Tensor, decode_start: int, prefill: Optional[tuple] = None,
+                        decode: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """The Triton path (CUDA): write the new K/V into their slots, then read K/V straight from the
+    pool through the block tables, without gathering copies.
+
+    q [1, heads, tokens, dim], k/v [1, kv_heads, tokens, dim]: prefill tokens before decode_start,
+    one decode token per sequence from there. prefill: (tables, cu_seqlens, context lens, longest
+    chunk); decode: (tables, context lens). Nothing here reads a value back to the host, so a CUDA
+    graph can record it (`minfer.engine.cuda_graphs`)."""
+    from minfer.kernels.paged_cache import write_kv
+    from minfer.kernels.paged_decode_attention import paged_decode_attention
+    from minfer.kernels.paged_prefill_attention import paged_prefill_attention
+
+    k_pool, v_pool = pool.layer(layer)
+    k_scales, v_scales = pool.scales(layer)  # None unless the pools are int8 or fp8
+    write_kv(k_pool, v_pool, k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous(), slot_mapping,
+             k_scales, v_scales)
+    tokens = q[0].transpose(0, 1).contiguous()  # [tokens, heads, dim]
+    out = torch.empty_like(tokens)
+    if prefill is not None:
+        tables, cu_seqlens, lens, max_q_len = prefill
+        out[:decode_start] = paged_prefill_attention(tokens[:decode_start], k_pool, v_pool, tables, cu_seqlens, lens,
+                                                     k_scales=k_scales, v_scales=v_scales, max_q_len=max_q_len)
+    if decode is not None:
+        tables, lens = decode
+        out[decode_start:] = paged_decode_attention(tokens[decode_start:], k_pool, v_pool, tables, lens,
+                                                    k_scales=k_scales, v_scales=v_scales)
+    return out.transpose(0, 1).unsqueeze(0)
 
 
 def block_tables(slices: list[SequenceSlice]) -> torch.Tensor:

@@ -1,0 +1,123 @@
+"""Decode steps replayed from recorded graphs (`minfer.engine.cuda_graphs`) give the eager engine's results.
+
+Recording a CUDA graph needs a GPU, so here a stand-in recorder runs the step once and "replays" it by
+running it again into the same output tensor, as a replayed graph rewrites its output. Everything around
+the recording is what runs on a GPU: the fixed buffers each step is copied into, batch sizes padded to a
+bucket (extra rows that store nothing and whose logits nobody reads), stale block-table entries left by
+earlier steps, one recording per batch size, and the fallback to eager steps when recording fails.
+Run in a fresh process with TRITON_INTERPRET=1: the recorded step is the Triton kernel path, interpreted.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent("""
+    import contextlib, random, sys, tempfile, warnings
+    import torch
+    from minfer import LLM, SamplingParams
+    from minfer.engine.cuda_graphs import DecodeGraphs
+    from minfer.engine.model_runner import blocks_per_sequence
+    from minfer.testing import random_checkpoint
+
+    folder = random_checkpoint(tempfile.mkdtemp(), "tiny")
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 512) for _ in range(rng.randint(2, 30))]} for _ in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3) for n in (3, 9, 5, 12, 7)]
+    recorded, replayed = [], []
+
+    @contextlib.contextmanager
+    def no_host_reads():
+        # What a CUDA graph cannot record: reading a GPU value back on the host, or building a tensor from
+        # Python data (a copy from host memory). Triton's interpreter does both to run kernels on the CPU.
+        saved = {name: getattr(torch.Tensor, name) for name in ("item", "tolist", "numpy", "__bool__")}
+        saved_tensor = torch.tensor
+
+        def guarded(original, name):
+            def call(*args, **kwargs):
+                if not sys._getframe(1).f_globals.get("__name__", "").startswith("triton"):
+                    raise AssertionError(f"{name} inside the recorded step")
+                return original(*args, **kwargs)
+            return call
+        for name, original in saved.items():
+            setattr(torch.Tensor, name, guarded(original, name))
+        torch.tensor = guarded(saved_tensor, "torch.tensor")
+        try:
+            yield
+        finally:
+            for name, original in saved.items():
+                setattr(torch.Tensor, name, original)
+            torch.tensor = saved_tensor
+
+    def stand_in(run, memory_pool):
+        with no_host_reads():
+            output = run()
+        recorded.append(output.shape[1])
+        def replay():
+            replayed.append(output.shape[1])
+            with torch.inference_mode():  # the model's output is an inference tensor
+                output.copy_(run())
+        return replay, output, memory_pool
+
+    def failing(run, memory_pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    def engine(recorder):
+        llm = LLM(folder, dtype="float32", device="cpu", block_size=4, max_num_seqs=5, num_gpu_blocks_override=64)
+        with torch.no_grad():
+            llm.model.norm.weight.mul_(30)  # random weights give nearly flat logits: make the argmax clear
+        runner = llm.engine.runner
+        runner.use_kernels = True
+        if recorder is not None:
+            runner.graphs = DecodeGraphs(llm.model, runner.pool, 5, blocks_per_sequence(llm.engine.config), recorder)
+        return llm
+
+    def generate(llm):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [[lp[t].logprob for t in sorted(lp)] for lp in o.outputs[0].logprobs])
+                for o in outs]
+
+    eager = generate(engine(None))
+    llm = engine(stand_in)
+    graphed = generate(llm)
+    for (tokens, logprobs), (tokens_g, logprobs_g) in zip(eager, graphed):
+        assert tokens == tokens_g, (tokens, tokens_g)
+        assert torch.allclose(torch.tensor(sum(logprobs, [])), torch.tensor(sum(logprobs_g, [])), atol=1e-5)
+    graphs = llm.engine.runner.graphs
+    assert graphs.batch_sizes == [1, 2, 4, 8], graphs.batch_sizes
+    assert sorted(recorded) == sorted(set(recorded)) == sorted(graphs.replays), recorded  # one recording per size
+    assert 8 in recorded and 1 in recorded, recorded  # 5 sequences padded to 8 at first, the longest alone at the end
+    assert len(replayed) >= 11, replayed  # every decode step after the first of its size replays (12 tokens: 11 decodes)
+    assert llm.engine.blocks.num_free_blocks == 64
+    print("graph replays == eager:", sum(len(t) for t, _ in graphed), "tokens,", len(replayed), "replays")
+
+    llm = engine(failing)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert [tokens for tokens, _ in generate(llm)] == [tokens for tokens, _ in eager]
+    assert llm.engine.runner.graphs.failed and "stream is capturing" in llm.engine.runner.graphs.failed
+    assert sum("run eagerly" in str(w.message) for w in caught) == 1, [str(w.message) for w in caught]
+    print("failed recording falls back to eager")
+""")
+
+
+def test_decode_graphs_replay_the_eager_step():
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "graph replays == eager" in done.stdout and "falls back to eager" in done.stdout
+
+
+def test_graphs_only_where_they_can_record(random_tiny_dir, tmp_path):
+    """On a CPU, enforce_eager=False compiles the step (no CUDA graphs); MoE models are never recorded."""
+    from minfer import LLM
+    from minfer.engine.cuda_graphs import DecodeGraphs
+    from minfer.testing import tiny_moe_checkpoint, word_tokenizer
+
+    llm = LLM(random_tiny_dir, dtype="float32", device="cpu", num_gpu_blocks_override=16, enforce_eager=False)
+    assert llm.engine.runner.graphs is None and llm.engine.runner.compiled is not None
+    assert DecodeGraphs.supports(llm.model)
+    tiny_moe_checkpoint(str(tmp_path), word_tokenizer(512), "mixtral", vocab_size=512)
+    assert not DecodeGraphs.supports(LLM(str(tmp_path), dtype="float32", device="cpu", num_gpu_blocks_override=16).model)
