@@ -127,9 +127,11 @@ fi
 if [[ "$DEVICE" == cuda* ]] && part kernels; then
     # The Triton kernels compiled, never interpreted: every variant for sm_80/sm_90 within its shared memory
     # and registers, each kernel against its reference on this GPU (test_kernel_compile.py runs the int8-KV
-    # and quantized-matmul ones, which their own test files interpret), then their share of bandwidth.
+    # and quantized-matmul ones, which their own test files interpret), the engine's decode steps recorded as
+    # CUDA graphs against eager ones, then the kernels' share of bandwidth.
     env -u TRITON_INTERPRET "${TIMEOUT[@]}" "$(limit 150)" "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_kernel_compile.py \
-        tests/test_kernels.py tests/test_fused_moe.py 2>&1 | tee "$OUT/kernel_tests.log" || status=$?
+        tests/test_kernels.py tests/test_fused_moe.py tests/test_cuda_graphs.py::test_cuda_graphs_on_a_gpu \
+        2>&1 | tee "$OUT/kernel_tests.log" || status=$?
     # chapter 03's exercise tests with the worked kernels: on CUDA one of them times the learner's kernel against
     # the gather reference (its speedup is a property in the JUnit file, as check("ch03") prints it)
     env -u TRITON_INTERPRET MINFER_IMPL=solutions "${TIMEOUT[@]}" "$(limit 60)" "$PYTHON" -m pytest -q -p no:cacheprovider \

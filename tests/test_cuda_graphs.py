@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 SCRIPT = textwrap.dedent("""
     import contextlib, random, sys, tempfile, warnings
@@ -121,3 +122,27 @@ def test_graphs_only_where_they_can_record(random_tiny_dir, tmp_path):
     assert DecodeGraphs.supports(llm.model)
     tiny_moe_checkpoint(str(tmp_path), word_tokenizer(512), "mixtral", vocab_size=512)
     assert not DecodeGraphs.supports(LLM(str(tmp_path), dtype="float32", device="cpu", num_gpu_blocks_override=16).model)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="records real CUDA graphs: needs a GPU (benchmarks/gpu_check.sh runs it)")
+def test_cuda_graphs_on_a_gpu(random_tiny_dir):
+    """The real recording: enforce_eager=False on CUDA records graphs and gives the eager engine's tokens and logprobs."""
+    from minfer import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": list(range(3 + i, 3 + 5 * i + 7))} for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3) for n in (3, 9, 5, 12, 7)]
+    results = {}
+    for eager in (True, False):
+        llm = LLM(random_tiny_dir, dtype="float32", device="cuda", max_num_seqs=5, enforce_eager=eager)
+        with torch.no_grad():
+            llm.model.norm.weight.mul_(30)  # random weights give nearly flat logits: make the argmax clear
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results[eager] = [(o.outputs[0].token_ids, [lp[t].logprob for lp in o.outputs[0].logprobs for t in sorted(lp)])
+                          for o in outs]
+        if not eager:
+            graphs = llm.engine.runner.graphs
+            assert graphs is not None and graphs.failed is None, graphs and graphs.failed
+            assert 8 in graphs.replays and 1 in graphs.replays, sorted(graphs.replays)
+    for (tokens, logprobs), (tokens_g, logprobs_g) in zip(results[True], results[False]):
+        assert tokens == tokens_g
+        assert torch.allclose(torch.tensor(logprobs), torch.tensor(logprobs_g), atol=1e-4)
