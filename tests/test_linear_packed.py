@@ -5,12 +5,14 @@ import pytest
 import torch
 from torch import nn
 
-from minfer.layers.linear import PackedLinear, pack_linears
+from minfer.layers.linear import PackedLinear, pack_linears, packs_here
 from minfer.quant.linear import Int8Linear
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])  # one bfloat16 step; measured identical here
 def test_packed_equals_f_linear(dtype, tolerance):
+    if not packs_here(dtype):
+        pytest.skip(f"oneDNN cannot pack {dtype} on this CPU ({torch.backends.cpu.get_cpu_capability()})")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 96, bias=True), nn.Linear(96, 32, bias=False)).to(dtype)
     x = torch.randn(5, 7, 64, dtype=dtype)
@@ -19,6 +21,21 @@ def test_packed_equals_f_linear(dtype, tolerance):
     assert all(type(m) is PackedLinear for m in model)
     with torch.inference_mode():
         torch.testing.assert_close(model(x), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_packs_here_tells_what_onednn_accepts():
+    """bfloat16 packing needs AVX-512 or AVX-NE-CONVERT: where oneDNN refuses it, the layers stay nn.Linear."""
+    assert packs_here(torch.float32)
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 4, dtype=torch.bfloat16), 1)
+        accepted = True
+    except RuntimeError:
+        accepted = False
+    assert packs_here(torch.bfloat16) == accepted
+    model = pack_linears(nn.Sequential(nn.Linear(16, 8)).to(torch.bfloat16))
+    assert (type(model[0]) is PackedLinear) == accepted
+    with torch.inference_mode():
+        assert model(torch.randn(3, 16, dtype=torch.bfloat16)).shape == (3, 8)  # runs either way
 
 
 def test_in_place_change_repacks_and_ties_survive():

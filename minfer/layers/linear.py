@@ -13,6 +13,8 @@ it) is repacked before its next use: its version counter says so.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,8 +22,22 @@ from torch import nn
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)  # float16 needs CPU features most machines lack
 
 
+@functools.cache
+def packs_here(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can prepack weights of this dtype on this CPU. float32: everywhere. bfloat16: only
+    with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; an AVX2-only CPU (e.g. AMD Zen 3) refuses, and
+    F.linear, which converts as it goes, serves it there. Asked once per dtype, by trying."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 1)
+    except RuntimeError:
+        return False
+    return True
+
+
 def can_pack(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available()
+    return weight.device.type == "cpu" and weight.dtype in PACKABLE_DTYPES and packs_here(weight.dtype)
 
 
 class PackedLinear(nn.Linear):
@@ -49,7 +65,7 @@ class PackedLinear(nn.Linear):
 def pack_linears(model: nn.Module) -> nn.Module:
     """Turn every plain nn.Linear of a CPU model into a PackedLinear, in place; returns the model.
 
-    Quantized layers (not nn.Linear) and weights oneDNN cannot pack are left as they are."""
+    Quantized layers (not nn.Linear) and weights oneDNN cannot pack here (`packs_here`) are left as they are."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and can_pack(child.weight):
