@@ -3,6 +3,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from minfer.layers.linear import PackedLinear, pack_linears, packs_here
@@ -50,6 +51,20 @@ def test_in_place_change_repacks_and_ties_survive():
     with torch.no_grad():
         embed.weight.mul_(2)  # e.g. scales folded into the weights after loading
     torch.testing.assert_close(model["head"](x), 2 * before, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_packed_model_moved_to_another_dtype_still_runs(dtype):
+    """A packed float32 model converted with .to(dtype) repacks if oneDNN can pack dtype here, else runs F.linear
+    (float16 on most CPUs, bfloat16 on AVX2-only ones) instead of failing."""
+    torch.manual_seed(0)
+    model = pack_linears(nn.Sequential(nn.Linear(32, 16)))
+    x = torch.randn(3, 32)
+    with torch.inference_mode():
+        model(x)  # packed in float32
+        model.to(dtype)
+        expected = F.linear(x.to(dtype), model[0].weight, model[0].bias)
+        torch.testing.assert_close(model(x.to(dtype)), expected, rtol=1.6e-2, atol=1.6e-2)
 
 
 def test_deepcopy_repacks_in_the_copy():

@@ -46,19 +46,22 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the compiler packs weights itself ("freezing")
             return F.linear(x, self.weight, self.bias)
-        if getattr(self, "_packed_version", None) != self.weight._version:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)  # 1: a batch-size hint
-            self._packed_version = self.weight._version
-        if x.dtype != self.weight.dtype:  # oneDNN would refuse; F.linear gives the clearer error
+        # Repack when the weight changed: in place (its version), or replaced by .to() (its storage)
+        key = (self.weight.data_ptr(), self.weight._version)
+        if getattr(self, "_packed_key", None) != key:
+            # None where oneDNN cannot pack this weight here (e.g. a packed float32 model moved to bfloat16 on AVX2)
+            packable = can_pack(self.weight)
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1) if packable else None  # 1: batch hint
+            self._packed_key = key
+        if self._packed is None or x.dtype != self.weight.dtype:  # oneDNN would refuse a mix; F.linear says why
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
-
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave the packed weight behind (an opaque oneDNN tensor): rebuilt on first use."""
         state = self.__dict__.copy()
         state.pop("_packed", None)
-        state.pop("_packed_version", None)
+        state.pop("_packed_key", None)
         return state
 
 
