@@ -94,7 +94,7 @@ class DecodeGraphs:
         the step's graph could not be recorded (the caller then runs the step eagerly)."""
         paged = step.paged
         num_seqs = paged.num_tokens
-        size = next(b for b in self.batch_sizes if b >= num_seqs)
+        size = bucket_for(num_seqs)  # one of batch_sizes: serves() kept num_seqs within the largest
         self.input_ids[:, :num_seqs] = step.input_ids[:, :num_seqs]
         self.positions[:, :num_seqs] = step.positions[:, :num_seqs]
         self.slot_mapping[:num_seqs] = paged.slot_mapping

@@ -181,14 +181,18 @@ class ModelRunner:
         return PreparedStep(torch.tensor([input_ids], device=device), torch.tensor([positions], device=device), paged,
                             torch.tensor(logits_rows, dtype=torch.long, device=device), sampled, scored)
 
+    def _forward(self, step: PreparedStep) -> torch.Tensor:
+        """The step's logits from the compiled decode step where it serves, else from the eager model."""
+        if self.compiled is not None and step.plain_decode and step.input_ids.shape[1] <= MAX_COMPILED_TOKENS:
+            return self.compiled(step.input_ids, step.positions, step.paged, step.logits_indices)[0]
+        return self.model(step.input_ids, step.positions, step.paged, logits_indices=step.logits_indices)[0]
+
     def run(self, batch: list[tuple[Sequence, int]]) -> StepOutput:
         """Prepare, run the model, and sample every sequence that gets a plain next token."""
         step = self.prepare(batch)
         logits = self.graphs(step) if self.graphs is not None and self.graphs.serves(step) else None
-        if logits is None and self.compiled is not None and step.plain_decode and step.input_ids.shape[1] <= MAX_COMPILED_TOKENS:
-            logits = self.compiled(step.input_ids, step.positions, step.paged, step.logits_indices)[0]
-        elif logits is None:
-            logits = self.model(step.input_ids, step.positions, step.paged, logits_indices=step.logits_indices)[0]
+        if logits is None:  # no graph for this step (or its recording failed)
+            logits = self._forward(step)
         plain = [i for i, (seq, _) in enumerate(step.sampled) if not seq.spec_token_ids]
         seqs = [step.sampled[i][0] for i in plain]
         drawn = sample_next_tokens(logits[[step.sampled[i][1].start for i in plain]], [s.params for s in seqs],
