@@ -10,6 +10,14 @@ float32 ones differ in the last bits (the sums run in another order).
 The price is memory: the packed copy sits beside the plain weight, which stays for whoever reads
 it (quantizers, the notebooks). A weight changed in place (e.g. activation-aware scales folded into
 it) is repacked before its next use: its version counter says so.
+
+A CPU without bfloat16 instructions (AVX2 only, e.g. AMD Zen 3) widens every bfloat16 element to
+float32 before multiplying, and oneDNN will not pack bfloat16 there. F.linear's bfloat16 path then
+costs about the same per row as one whole float32 row block: measured over SmolLM2-135M's 121
+linears on one Zen 3 core, 34 ms per row, against 188 ms for 8 rows and 1265 ms for 256 rows through
+a float32 packed copy (`docs/benchmarks.md`). So there a bfloat16 weight also gets a float32 packed
+copy (twice its bytes), used from `WIDE_FROM_ROWS` rows on (batched decode, prefill); fewer rows
+keep F.linear, which reads half the bytes, and decode at batch 1 is bound by bytes.
 """
 from __future__ import annotations
 
@@ -20,13 +28,14 @@ import torch.nn.functional as F
 from torch import nn
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)  # float16 needs CPU features most machines lack
+WIDE_FROM_ROWS = 8  # bfloat16 without bf16 instructions: the float32 copy wins from 8 rows on (0.69x the time; 4: 1.22x)
 
 
 @functools.cache
 def packs_here(dtype: torch.dtype) -> bool:
     """Whether oneDNN can prepack weights of this dtype on this CPU. float32: everywhere. bfloat16: only
-    with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; an AVX2-only CPU (e.g. AMD Zen 3) refuses, and
-    F.linear, which converts as it goes, serves it there. Asked once per dtype, by trying."""
+    with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; an AVX2-only CPU (e.g. AMD Zen 3) refuses. Asked once
+    per dtype, by trying."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
@@ -36,8 +45,18 @@ def packs_here(dtype: torch.dtype) -> bool:
     return True
 
 
+def packed_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype a weight of `dtype` is packed and multiplied in on this CPU: its own where oneDNN packs it,
+    float32 for bfloat16 where it cannot (no bfloat16 instructions to use), None where nothing is packed."""
+    if dtype in PACKABLE_DTYPES and packs_here(dtype):
+        return dtype
+    if dtype == torch.bfloat16 and packs_here(torch.float32):
+        return torch.float32
+    return None
+
+
 def can_pack(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype in PACKABLE_DTYPES and packs_here(weight.dtype)
+    return weight.device.type == "cpu" and packed_dtype(weight.dtype) is not None
 
 
 class PackedLinear(nn.Linear):
@@ -49,26 +68,36 @@ class PackedLinear(nn.Linear):
         # Repack when the weight changed: in place (its version), or replaced by .to() (its storage)
         key = (self.weight.data_ptr(), self.weight._version)
         if getattr(self, "_packed_key", None) != key:
-            # None where oneDNN cannot pack this weight here (e.g. a packed float32 model moved to bfloat16 on AVX2)
-            packable = can_pack(self.weight)
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1) if packable else None  # 1: batch hint
+            self._pack()
             self._packed_key = key
         if self._packed is None or x.dtype != self.weight.dtype:  # oneDNN would refuse a mix; F.linear says why
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        if self._packed_dtype == self.weight.dtype:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        # bfloat16 on a CPU without bf16 instructions: the float32 copy, once there are enough rows to pay for widening
+        if x.numel() < WIDE_FROM_ROWS * self.in_features:
+            return F.linear(x, self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.float()
+        return torch.ops.mkldnn._linear_pointwise(x.float(), self._packed, bias, "none", [], "").to(x.dtype)
+
+    def _pack(self) -> None:
+        # None where this weight cannot be packed here (e.g. a packed float32 model moved to float16)
+        self._packed_dtype = packed_dtype(self.weight.dtype) if self.weight.device.type == "cpu" else None
+        self._packed = None if self._packed_dtype is None else torch.ops.mkldnn._reorder_linear_weight(
+            self.weight.detach().to(self._packed_dtype), 1)  # 1: batch hint
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave the packed weight behind (an opaque oneDNN tensor): rebuilt on first use."""
         state = self.__dict__.copy()
-        state.pop("_packed", None)
-        state.pop("_packed_key", None)
+        for name in ("_packed", "_packed_key", "_packed_dtype"):
+            state.pop(name, None)
         return state
 
 
 def pack_linears(model: nn.Module) -> nn.Module:
     """Turn every plain nn.Linear of a CPU model into a PackedLinear, in place; returns the model.
 
-    Quantized layers (not nn.Linear) and weights oneDNN cannot pack here (`packs_here`) are left as they are."""
+    Quantized layers (not nn.Linear) and weights nothing is packed for here (`packed_dtype`) are left as they are."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and can_pack(child.weight):

@@ -1,0 +1,73 @@
+"""Prepacked linears (minfer.layers.linear) against F.linear, by rows, and the whole forward pass they are part of.
+
+    python benchmarks/bench_packed_linears.py [--dtype bfloat16] [--threads 1]
+
+Part 1 calls the model's 121 linears (30 layers of four, plus the head) on random inputs of R rows: once as F.linear
+on the plain weights (what an unpacked nn.Linear runs), once through the model's own PackedLinear layers. Part 2
+times one forward pass of T tokens (no KV cache) with the packed layers, then with the same weights as plain
+nn.Linear. Both pairs run side by side in one process, best of 3; the ratios are what to read. On a CPU without
+bfloat16 instructions (AVX2 only) a bfloat16 PackedLinear multiplies through a float32 copy from WIDE_FROM_ROWS rows on.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minfer import LLM
+from minfer.bench.common import best_time
+from minfer.layers.linear import WIDE_FROM_ROWS, PackedLinear, packed_dtype
+
+ROWS = (1, 4, 8, 16, 64, 256)
+TOKENS = (1, 8, 32, 256)
+
+
+def unpacked(model: nn.Module) -> None:
+    """Swap every PackedLinear back to a plain nn.Linear on the same parameters, in place."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is PackedLinear:
+                plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+                plain.weight, plain.bias = child.weight, child.bias
+                setattr(parent, name, plain)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = LLM(args.model, dtype=args.dtype, device="cpu").model
+    dtype = next(model.parameters()).dtype
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} thread(s); {dtype} weights are "
+          f"packed as {packed_dtype(dtype)} (float32 copy from {WIDE_FROM_ROWS} rows on where that differs)\n")
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    print(f"Part 1: the model's {len(layers)} linears\n\n| rows | F.linear ms | packed ms | packed / F.linear |\n|---:|---:|---:|---:|")
+    with torch.inference_mode():
+        for rows in ROWS:
+            inputs = {n: torch.randn(rows, n, dtype=dtype) for n in {layer.in_features for layer in layers}}
+            plain_s = best_time(lambda: [F.linear(inputs[m.in_features], m.weight, m.bias) for m in layers], repeats=5)
+            packed_s = best_time(lambda: [m(inputs[m.in_features]) for m in layers], repeats=5)
+            print(f"| {rows} | {plain_s * 1e3:.1f} | {packed_s * 1e3:.1f} | {packed_s / plain_s:.2f} |", flush=True)
+
+        print("\nPart 2: one forward pass of T tokens\n\n| tokens | plain nn.Linear ms | packed ms | packed / plain |\n"
+              "|---:|---:|---:|---:|")
+        times = {}
+        for packed in (True, False):
+            if not packed:
+                unpacked(model)
+            for size in TOKENS:
+                ids, positions = torch.zeros(1, size, dtype=torch.long), torch.arange(size)[None]
+                model(ids, positions)  # first call packs (or warms oneDNN)
+                times[packed, size] = best_time(lambda: model(ids, positions))
+        for size in TOKENS:
+            packed_s, plain_s = times[True, size], times[False, size]
+            print(f"| {size} | {plain_s * 1e3:.1f} | {packed_s * 1e3:.1f} | {packed_s / plain_s:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
