@@ -8,7 +8,7 @@ from torch import nn
 
 from minfer.bench.common import best_time
 from minfer.layers import linear as linear_module
-from minfer.layers.linear import WIDE_FROM_ROWS, PackedLinear, pack_linears, packed_dtype, packs_here
+from minfer.layers.linear import WIDE_FROM_ROWS, PackedLinear, bf16_autocast, pack_linears, packed_dtype, packs_here
 from minfer.quant.linear import Int8Linear
 
 
@@ -132,3 +132,14 @@ def test_quantized_layers_are_left_alone():
     model = nn.Sequential(Int8Linear.from_linear(nn.Linear(32, 16)), nn.Linear(16, 8).to(torch.float16))
     pack_linears(model)
     assert type(model[0]) is Int8Linear and type(model[1]) is nn.Linear  # float16: oneDNN cannot pack it here
+
+
+@pytest.mark.parametrize("cpu_packs_bf16", [True, False])
+def test_bf16_autocast_only_where_bfloat16_matmuls_are_fast(monkeypatch, cpu_packs_bf16):
+    """Training's bf16 autocast: bfloat16 matmuls on a CPU oneDNN packs bfloat16 for, float32 on an AVX2-only one."""
+    monkeypatch.setattr(linear_module, "packs_here", lambda dtype: cpu_packs_bf16 or dtype == torch.float32)
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    with bf16_autocast("cpu"):
+        assert (a @ b).dtype == (torch.bfloat16 if cpu_packs_bf16 else torch.float32)
+    with bf16_autocast("cpu", enabled=False):
+        assert (a @ b).dtype == torch.float32

@@ -11,13 +11,13 @@ The price is memory: the packed copy sits beside the plain weight, which stays f
 it (quantizers, the notebooks). A weight changed in place (e.g. activation-aware scales folded into
 it) is repacked before its next use: its version counter says so.
 
-A CPU without bfloat16 instructions (AVX2 only, e.g. AMD Zen 3) widens every bfloat16 element to
-float32 before multiplying, and oneDNN will not pack bfloat16 there. F.linear's bfloat16 path then
-costs about the same per row as one whole float32 row block: measured over SmolLM2-135M's 121
-linears on one Zen 3 core, 34 ms per row, against 188 ms for 8 rows and 1265 ms for 256 rows through
-a float32 packed copy (`docs/benchmarks.md`). So there a bfloat16 weight also gets a float32 packed
-copy (twice its bytes), used from `WIDE_FROM_ROWS` rows on (batched decode, prefill); fewer rows
-keep F.linear, which reads half the bytes, and decode at batch 1 is bound by bytes.
+A CPU without bfloat16 instructions (AVX2 only, e.g. AMD Zen 3) must widen each bfloat16 element
+to float32 before multiplying, and oneDNN will not pack bfloat16 there. F.linear's bfloat16 path
+then pays that widening for every row: over SmolLM2-135M's 121 linears on one Zen 3 core it took
+285 ms for 8 rows and 8.7 s for 256, against 190 ms and 1.2 s through a float32 packed copy
+(`benchmarks/bench_packed_linears.py`). So there a bfloat16 weight gets a float32 packed copy (twice
+its bytes), used from `WIDE_FROM_ROWS` rows on (batched decode, prefill). Fewer rows keep F.linear:
+it reads half the bytes, and decode at batch 1 is bound by bytes.
 """
 from __future__ import annotations
 
@@ -53,6 +53,14 @@ def packed_dtype(dtype: torch.dtype) -> torch.dtype | None:
     if dtype == torch.bfloat16 and packs_here(torch.float32):
         return torch.float32
     return None
+
+
+def bf16_autocast(device_type: str, enabled: bool = True) -> torch.autocast:
+    """Autocast to bfloat16 (training: matmuls in bfloat16, weights and updates in float32) where that is faster:
+    on CUDA, and on CPUs oneDNN packs bfloat16 for. An AVX2-only CPU widens every element back to float32 inside
+    each matmul, several times slower than float32 itself (`docs/benchmarks.md`), so there it stays disabled."""
+    fast = device_type == "cuda" or (device_type == "cpu" and packs_here(torch.bfloat16))
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=enabled and fast)
 
 
 def can_pack(weight: torch.Tensor) -> bool:

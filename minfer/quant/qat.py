@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minfer.evaluate import EVAL_TOPICS, context_windows, eval_text
+from minfer.layers.linear import bf16_autocast
 from minfer.quant.awq import LAYER_LINEARS, fake_quantize_int4
 from minfer.spec.distill import distillation_loss, final_hidden, run_training
 
@@ -142,9 +143,10 @@ def finish_qat(model: nn.Module) -> nn.Module:
 
 
 def logits_of(model: nn.Module, input_ids: torch.Tensor, bf16: bool = False) -> torch.Tensor:
-    """Next-token logits [batch, seq, vocab] at every position, with autograd (bf16: autocast matmuls)."""
+    """Next-token logits [batch, seq, vocab] at every position, with autograd (bf16: autocast matmuls where that
+    is faster, `bf16_autocast`)."""
     input_ids = input_ids.to(model.embed_tokens.weight.device)  # training rows are made on the CPU
-    with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
+    with bf16_autocast(input_ids.device.type, bf16):
         hidden = final_hidden(model, input_ids)
         return F.linear(hidden, model.lm_head.weight).float()  # not lm_head(): a packed head has no backward
 

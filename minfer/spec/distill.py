@@ -18,8 +18,9 @@ place it anywhere useful), and of that only the teacher's top-k entries are kept
 target's logits can be computed once and stored. Those distributions come from the target
 reading pydoc text and its own chat answers, so the draft learns how the target talks.
 
-Reproduce the shipped weights (one thread, fixed seeds, bf16 autocast; about 10 minutes of one
-CPU core, measured on a busy machine):
+Reproduce the shipped weights (one thread, fixed seeds, bf16 autocast, on a CPU with bf16 support:
+an AVX2-only one trains in float32 and ends elsewhere; about 10 minutes of one CPU core, measured on
+a busy machine):
 
     OMP_NUM_THREADS=1 python benchmarks/train_draft.py
 
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minfer.config import ModelConfig
+from minfer.layers.linear import bf16_autocast
 from minfer.models.llama import LlamaModel, RotaryEmbedding
 
 DRAFTS_DIR = Path(__file__).resolve().parent.parent / "drafts"  # minfer/drafts (package data)
@@ -129,8 +131,8 @@ def teacher_topk(target: LlamaModel, input_ids: torch.Tensor, head_token_ids: to
                  top_k: int, bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's logits over the head tokens, reduced to their top_k: (values, head indices),
     each [batch, seq, top_k]. Only the K head rows of the output layer are computed.
-    bf16: matmuls in bfloat16 (autocast), about 2x faster on CPUs with bf16 instructions."""
-    with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
+    bf16: matmuls in bfloat16 (autocast), about 2x faster on CPUs with bf16 instructions (`bf16_autocast`)."""
+    with bf16_autocast(input_ids.device.type, bf16):
         hidden = final_hidden(target, input_ids)
         logits = (hidden @ target.lm_head.weight[head_token_ids.to(hidden.device)].T).float()
     values, indices = logits.topk(top_k, dim=-1)
@@ -156,7 +158,7 @@ def train_draft(draft: DraftModel, batches: Iterable[tuple[torch.Tensor, torch.T
                 steps: int, lr: float = 5e-4, warmup: int = 20, bf16: bool = False,
                 on_step: Optional[Callable[[int, float], None]] = None) -> list[float]:
     """AdamW on everything but the (shared, frozen) embedding, cosine learning-rate decay.
-    bf16: mixed precision (autocast; the weights, their updates and the loss stay float32).
+    bf16: mixed precision where it is faster (`bf16_autocast`; the weights, their updates and the loss stay float32).
 
     batches yields (input_ids [B, T], teacher values [B, T, k], teacher head indices [B, T, k])
     and is cycled until `steps` steps are done. Returns the loss of each step.
@@ -168,7 +170,7 @@ def train_draft(draft: DraftModel, batches: Iterable[tuple[torch.Tensor, torch.T
 
     def batch_loss(batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
         ids, values, indices = batch
-        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16):
+        with bf16_autocast(ids.device.type, bf16):
             logits = draft.lm_head(final_hidden(draft, ids))
         return distillation_loss(logits, values, indices)
 
