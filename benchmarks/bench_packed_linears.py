@@ -5,8 +5,10 @@
 Part 1 calls the model's 121 linears (30 layers of four, plus the head) on random inputs of R rows: once as F.linear
 on the plain weights (what an unpacked nn.Linear runs), once through the model's own PackedLinear layers. Part 2
 times one forward pass of T tokens (no KV cache) with the packed layers, then with the same weights as plain
-nn.Linear. Both pairs run side by side in one process, best of 3; the ratios are what to read. On a CPU without
-bfloat16 instructions (AVX2 only) a bfloat16 PackedLinear multiplies through a float32 copy from WIDE_FROM_ROWS rows on.
+nn.Linear. Part 3 times a training step (forward and backward over 128 tokens, the float32 weights of QAT and
+of the draft's distillation) with bfloat16 autocast and without. Each pair runs side by side in one process, best
+of 3 or 5; the ratios are what to read. On a CPU without bfloat16 instructions (AVX2 only) a bfloat16 PackedLinear
+multiplies through a float32 copy from WIDE_FROM_ROWS rows on, and `bf16_autocast` leaves autocast off.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from torch import nn
 
 from minfer import LLM
 from minfer.bench.common import best_time
-from minfer.layers.linear import WIDE_FROM_ROWS, PackedLinear, packed_dtype
+from minfer.layers.linear import WIDE_FROM_ROWS, PackedLinear, bf16_autocast, packed_dtype
+from minfer.spec.distill import final_hidden
 
 ROWS = (1, 4, 8, 16, 64, 256)
 TOKENS = (1, 8, 32, 256)
@@ -67,6 +70,23 @@ def main() -> None:
         for size in TOKENS:
             packed_s, plain_s = times[True, size], times[False, size]
             print(f"| {size} | {plain_s * 1e3:.1f} | {packed_s * 1e3:.1f} | {packed_s / plain_s:.2f} |")
+
+    with bf16_autocast("cpu"):
+        minfer_autocasts = torch.is_autocast_enabled("cpu")
+    print(f"\nPart 3: a training step, 128 tokens, float32 weights (minfer's bf16_autocast here: "
+          f"{'on' if minfer_autocasts else 'off'})")
+    model.float().requires_grad_(True)
+    ids = torch.randint(0, 40000, (1, 128))
+
+    def step(autocast: bool) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # as QAT's logits_of, forced on or off
+            loss = F.linear(final_hidden(model, ids), model.lm_head.weight).float().logsumexp(-1).mean()
+        loss.backward()
+
+    step(True), step(False)  # warm-up
+    seconds = {autocast: best_time(lambda: step(autocast)) for autocast in (True, False)}
+    print(f"\n| float32 s | bf16 autocast s | autocast / float32 |\n|---:|---:|---:|\n"
+          f"| {seconds[False]:.2f} | {seconds[True]:.2f} | {seconds[True] / seconds[False]:.2f} |")
 
 
 if __name__ == "__main__":
