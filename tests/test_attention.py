@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from minfer.generate import attention_mask
+from minfer.layers import attention as attention_module
 from minfer.layers.attention import attention_reference, attention_sdpa, get_attention_fn
 
 
@@ -51,3 +52,22 @@ def test_padding_query_rows_stay_finite():
 def test_unknown_backend_is_named():
     with pytest.raises(ValueError, match="unknown attention backend 'flash9'.*'reference', 'sdpa'"):
         get_attention_fn("flash9")
+
+
+def test_decode_matmuls_widen_bfloat16_where_its_matmuls_are_slow(monkeypatch):
+    """Without bf16 instructions (an AVX2-only CPU) the batched decode matmuls run bfloat16 K/V in float32: the
+    output is still bfloat16, but its scores were not rounded to bfloat16, so it sits closer to the float32 result."""
+    gen = torch.Generator().manual_seed(0)
+    batch = 16  # >= DECODE_MATMUL_MIN_BATCH: the two-matmul path
+    q = torch.randn(batch, 9, 1, 64, generator=gen).bfloat16()
+    k = (4 * torch.randn(3, batch, 200, 64, generator=gen)).bfloat16().transpose(0, 1)  # pool order, large scores
+    v = torch.randn(3, batch, 200, 64, generator=gen).bfloat16().transpose(0, 1)
+    expected = attention_reference(q.float(), k.float(), v.float(), None)
+    errors = {}
+    for fast in (True, False):
+        monkeypatch.setattr(attention_module, "bf16_matmuls_fast", lambda device_type: fast)
+        out = attention_sdpa(q, k, v, None)
+        assert out.dtype == torch.bfloat16
+        errors[fast] = (out.float() - expected).abs().max().item()
+    torch.testing.assert_close(out.float(), expected.bfloat16().float(), rtol=8e-3, atol=8e-3)  # one rounding
+    assert errors[False] < errors[True], errors

@@ -57,10 +57,12 @@ class StepClock:
 
 
 def machine_info(device: str = "cpu") -> dict:
-    """The CPU (or GPU), cores, torch threads, 1-minute load average and library versions."""
+    """The CPU (or GPU), its vector instructions as PyTorch uses them (AVX2, AVX512: bfloat16 speed depends on
+    them), cores, torch threads, 1-minute load average and library versions."""
     import transformers
 
-    info = {"cpu": _cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    info = {"cpu": _cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "device": device}
     if hasattr(os, "getloadavg"):  # other work on the machine: with too few free cores, threads wait on each other

@@ -413,7 +413,8 @@ def format_markdown(result: dict, command: Optional[str] = None) -> str:
     """The result as markdown: the machine, one table, the ratios against the targets."""
     m = result["machine"]
     s = result["settings"]
-    hw = m.get("gpu") or f"{m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads)"
+    capability = f" ({m['cpu_capability']})" if "cpu_capability" in m else ""  # absent from older results
+    hw = m.get("gpu") or f"{m['cpu']}{capability}, {m['cores']} cores ({m['torch_threads']} torch threads)"
     if "load_average_1min" in m and not m.get("gpu"):
         hw += f", load average {m['load_average_1min']} at the start"
     lines = []

@@ -21,6 +21,8 @@ from typing import Callable, Optional, Protocol
 import torch
 import torch.nn.functional as F
 
+from minfer.layers.linear import bf16_matmuls_fast
+
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
 
 
@@ -71,16 +73,20 @@ def decode_attention_matmul(grouped: torch.Tensor, k: torch.Tensor, v: torch.Ten
     kv_len, dim], mask [batch, 1, 1, kv_len] or None -> [batch, kv_heads, group, dim]. The two batch
     axes are walked in the order K/V lie in memory (KV head first for the paged pool's gathers,
     sequence first for a contiguous cache), so that matmul copies nothing. Scores in the model's
-    dtype, softmax in float32, as transformers' eager attention.
+    dtype, softmax in float32, as transformers' eager attention; bfloat16 where its matmuls are slow
+    (no bf16 instructions: 39.7 against 13.7 ms of matmuls per 8-sequence step) is widened to float32.
     """
+    dtype = grouped.dtype
     heads_first = k.stride(1) > k.stride(0)
     if heads_first:
         grouped, k, v = grouped.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         mask = None if mask is None else mask.transpose(0, 1)
+    if dtype == torch.bfloat16 and not bf16_matmuls_fast(grouped.device.type):
+        grouped, k, v = grouped.float(), k.float(), v.float()  # strides kept: still no copy inside matmul
     scores = (grouped / math.sqrt(grouped.shape[-1])) @ k.transpose(-1, -2)  # scale the few queries, not the scores
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(grouped.dtype) @ v
+    out = (torch.softmax(scores, dim=-1, dtype=torch.float32).to(grouped.dtype) @ v).to(dtype)
     return out.transpose(0, 1) if heads_first else out
 
 

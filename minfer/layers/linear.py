@@ -55,12 +55,17 @@ def packed_dtype(dtype: torch.dtype) -> torch.dtype | None:
     return None
 
 
+def bf16_matmuls_fast(device_type: str) -> bool:
+    """Whether bfloat16 matmuls beat float32 ones here: on CUDA, and on CPUs oneDNN packs bfloat16 for (bf16 or
+    AVX-512 instructions). An AVX2-only CPU widens every element to float32 inside each bfloat16 matmul, several
+    times slower than float32 itself (`docs/benchmarks.md`)."""
+    return device_type == "cuda" or (device_type == "cpu" and packs_here(torch.bfloat16))
+
+
 def bf16_autocast(device_type: str, enabled: bool = True) -> torch.autocast:
-    """Autocast to bfloat16 (training: matmuls in bfloat16, weights and updates in float32) where that is faster:
-    on CUDA, and on CPUs oneDNN packs bfloat16 for. An AVX2-only CPU widens every element back to float32 inside
-    each matmul, several times slower than float32 itself (`docs/benchmarks.md`), so there it stays disabled."""
-    fast = device_type == "cuda" or (device_type == "cpu" and packs_here(torch.bfloat16))
-    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=enabled and fast)
+    """Autocast to bfloat16 (training: matmuls in bfloat16, weights and updates in float32) where
+    `bf16_matmuls_fast`; float32 elsewhere."""
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=enabled and bf16_matmuls_fast(device_type))
 
 
 def can_pack(weight: torch.Tensor) -> bool:
