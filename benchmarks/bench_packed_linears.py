@@ -16,25 +16,13 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from minfer import LLM
 from minfer.bench.common import best_time
-from minfer.layers.linear import WIDE_FROM_ROWS, PackedLinear, bf16_autocast, packed_dtype
+from minfer.layers.linear import WIDE_FROM_ROWS, PackedLinear, bf16_autocast, packed_dtype, unpack_linears
 from minfer.spec.distill import final_hidden
 
 ROWS = (1, 4, 8, 16, 64, 256)
 TOKENS = (1, 8, 32, 256)
-
-
-def unpacked(model: nn.Module) -> None:
-    """Swap every PackedLinear back to a plain nn.Linear on the same parameters, in place."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is PackedLinear:
-                plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
-                plain.weight, plain.bias = child.weight, child.bias
-                setattr(parent, name, plain)
 
 
 def main() -> None:
@@ -62,7 +50,7 @@ def main() -> None:
         times = {}
         for packed in (True, False):
             if not packed:
-                unpacked(model)
+                unpack_linears(model)
             for size in TOKENS:
                 ids, positions = torch.zeros(1, size, dtype=torch.long), torch.arange(size)[None]
                 model(ids, positions)  # first call packs (or warms oneDNN)

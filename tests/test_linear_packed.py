@@ -8,7 +8,8 @@ from torch import nn
 
 from minfer.bench.common import best_time
 from minfer.layers import linear as linear_module
-from minfer.layers.linear import WIDE_FROM_ROWS, PackedLinear, bf16_autocast, pack_linears, packed_dtype, packs_here
+from minfer.layers.linear import (WIDE_FROM_ROWS, PackedLinear, bf16_autocast, pack_linears, packed_dtype, packs_here,
+                                 unpack_linears)
 from minfer.quant.linear import Int8Linear
 
 
@@ -143,3 +144,15 @@ def test_bf16_autocast_only_where_bfloat16_matmuls_are_fast(monkeypatch, cpu_pac
         assert (a @ b).dtype == (torch.bfloat16 if cpu_packs_bf16 else torch.float32)
     with bf16_autocast("cpu", enabled=False):
         assert (a @ b).dtype == torch.float32
+
+
+def test_unpack_linears_gives_plain_layers_on_the_same_parameters():
+    torch.manual_seed(0)
+    model = pack_linears(nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 4, bias=False)))
+    weights = [m.weight for m in model]
+    x = torch.randn(3, 16)
+    expected = model(x)
+    unpack_linears(model)
+    assert [type(m) for m in model] == [nn.Linear, nn.Linear]
+    assert all(m.weight is w for m, w in zip(model, weights))
+    torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)

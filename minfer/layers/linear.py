@@ -107,6 +107,13 @@ class PackedLinear(nn.Linear):
         return state
 
 
+def linear_like(layer: nn.Module, cls: type[nn.Linear] = nn.Linear) -> nn.Linear:
+    """A `cls` layer on the same parameters as `layer`, not copies: a tied head stays tied."""
+    new = cls(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+    new.weight, new.bias = layer.weight, layer.bias
+    return new
+
+
 def pack_linears(model: nn.Module) -> nn.Module:
     """Turn every plain nn.Linear of a CPU model into a PackedLinear, in place; returns the model.
 
@@ -114,7 +121,14 @@ def pack_linears(model: nn.Module) -> nn.Module:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and can_pack(child.weight):
-                packed = PackedLinear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
-                packed.weight, packed.bias = child.weight, child.bias  # the same parameters: a tied head stays tied
-                setattr(parent, name, packed)
+                setattr(parent, name, linear_like(child, PackedLinear))
+    return model
+
+
+def unpack_linears(model: nn.Module) -> nn.Module:
+    """The inverse of pack_linears: every PackedLinear back to a plain nn.Linear (F.linear), in place."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is PackedLinear:
+                setattr(parent, name, linear_like(child))
     return model

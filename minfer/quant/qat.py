@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minfer.evaluate import EVAL_TOPICS, context_windows, eval_text
-from minfer.layers.linear import bf16_autocast
+from minfer.layers.linear import bf16_autocast, linear_like
 from minfer.quant.awq import LAYER_LINEARS, fake_quantize_int4
 from minfer.spec.distill import distillation_loss, final_hidden, run_training
 
@@ -121,15 +121,8 @@ def prepare_qat(model: nn.Module, trainable: Sequence[str] = ("qkv_proj", "down_
                 setattr(block, name, FakeQuantLinear(linear, group_size))
             else:
                 linear.weight.copy_(fake_quantize_int4(linear.weight, group_size))
-                setattr(block, name, _plain_linear(linear))
+                setattr(block, name, linear_like(linear))  # a PackedLinear (oneDNN) has no backward
     return params
-
-
-def _plain_linear(layer: nn.Module) -> nn.Linear:
-    """An nn.Linear on the same parameters: a CPU model's PackedLinear (oneDNN) has no backward."""
-    linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
-    linear.weight, linear.bias = layer.weight, layer.bias
-    return linear
 
 
 def finish_qat(model: nn.Module) -> nn.Module:
@@ -138,7 +131,7 @@ def finish_qat(model: nn.Module) -> nn.Module:
         layer = getattr(block, name)
         if isinstance(layer, FakeQuantLinear):
             layer.weight.requires_grad_(False)
-            setattr(block, name, _plain_linear(layer))
+            setattr(block, name, linear_like(layer))
     return model.eval()
 
 
