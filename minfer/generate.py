@@ -19,15 +19,14 @@ from minfer.models.llama import LlamaModel
 from minfer.sequence import Sequence
 
 
-def padded_batch(seqs: list[Sequence], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Left-pad the prompts: returns input ids, positions and a key-validity mask, all [batch, longest]."""
-    longest = max(len(s.prompt_token_ids) for s in seqs)
-    ids = torch.zeros(len(seqs), longest, dtype=torch.long)
-    valid = torch.zeros(len(seqs), longest, dtype=torch.bool)
-    for row, s in enumerate(seqs):
-        n = len(s.prompt_token_ids)
-        ids[row, longest - n:] = torch.tensor(s.prompt_token_ids)
-        valid[row, longest - n:] = True
+def padded_batch(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-pad the prompts (token ids): returns input ids, positions and a key-validity mask, all [batch, longest]."""
+    longest = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+    valid = torch.zeros(len(prompts), longest, dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        ids[row, longest - len(prompt):] = torch.tensor(prompt)
+        valid[row, longest - len(prompt):] = True
     positions = (valid.cumsum(1) - 1).clamp(min=0)  # every prompt starts at position 0
     return ids.to(device), positions.to(device), valid.to(device)
 
@@ -48,7 +47,7 @@ def generate_static_batch(model: LlamaModel, tokenizer, seqs: list[Sequence], eo
                           use_cache: bool = True) -> Iterator[list[Sequence]]:
     """Generate every sequence of one static batch, yielding the batch after each step."""
     device = model.embed_tokens.weight.device
-    ids, positions, valid = padded_batch(seqs, device)
+    ids, positions, valid = padded_batch([s.prompt_token_ids for s in seqs], device)
     steps = max(s.max_tokens for s in seqs)
     cache = KVCache(model.config, len(seqs), ids.shape[1] + steps, model.embed_tokens.weight.dtype, device) if use_cache else None
     scored = [row for row, s in enumerate(seqs) if s.needs_prompt_logits]  # rows that asked for prompt_logprobs

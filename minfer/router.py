@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from minfer.generate import attention_mask, padded_batch
 from minfer.kv_cache import KVCache
 from minfer.models.llama import LlamaModel
 
@@ -65,34 +66,47 @@ class Answer:
         return getattr(self, signal)
 
 
-@torch.inference_mode()
 def greedy_answer(model: LlamaModel, prompt_ids: list[int], max_tokens: int,
                   stop_token_ids: Sequence[int] = ()) -> Answer:
-    """Greedy decoding at batch 1 over a contiguous KV cache, recording each step's top two probabilities.
+    """One prompt's greedy answer: `greedy_answers` at batch 1."""
+    return greedy_answers(model, [prompt_ids], max_tokens, stop_token_ids)[0]
 
-    Stops after max_tokens or after a token of stop_token_ids (which is kept in the answer). A
-    draft with a reduced head (`head_token_ids`) answers in target token ids."""
+
+@torch.inference_mode()
+def greedy_answers(model: LlamaModel, prompts: list[list[int]], max_tokens: int,
+                   stop_token_ids: Sequence[int] = ()) -> list[Answer]:
+    """Greedy decoding of a static batch over a contiguous KV cache, recording each step's top two probabilities.
+
+    The loop of chapter 02 (`minfer.generate`): prompts left-padded to the longest, each starting at
+    position 0; a row that is done rides along until every row is. Each row stops after max_tokens
+    or after a token of stop_token_ids (which is kept in the answer). A draft with a reduced head
+    (`head_token_ids`) answers in target token ids."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if not prompts or not all(prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token id lists")
     device = model.embed_tokens.weight.device
     head = getattr(model, "head_token_ids", None)
-    cache = KVCache(model.config, 1, len(prompt_ids) + max_tokens, model.embed_tokens.weight.dtype, device)
-    ids = torch.tensor([prompt_ids], device=device)
-    positions = torch.arange(len(prompt_ids), device=device)[None]
-    tokens, top, second = [], [], []
-    for _ in range(max_tokens):
-        probs = torch.softmax(model(ids, positions, cache)[0, -1].float(), dim=-1)
-        best = probs.topk(2)
-        index = int(best.indices[0])
-        token = int(head[index]) if head is not None else index
-        tokens.append(token)
-        top.append(float(best.values[0]))
-        second.append(float(best.values[1]))
-        if token in stop_token_ids:
-            break
-        ids = torch.tensor([[token]], device=device)
+    ids, positions, valid = padded_batch(prompts, device)
+    cache = KVCache(model.config, len(prompts), ids.shape[1] + max_tokens, model.embed_tokens.weight.dtype, device)
+    logits = model(ids, positions, cache, attention_mask(valid, ids.shape[1]))
+    answers = [Answer([], [], []) for _ in prompts]
+    running = list(range(len(prompts)))
+    for step in range(max_tokens):
+        best = torch.softmax(logits[:, -1].float(), dim=-1).topk(2)
+        chosen = best.indices[:, 0] if head is None else head[best.indices[:, 0]]
+        tokens, top, second = chosen.tolist(), best.values[:, 0].tolist(), best.values[:, 1].tolist()
+        for row in running:
+            answers[row].token_ids.append(tokens[row])
+            answers[row].top_probs.append(top[row])
+            answers[row].second_probs.append(second[row])
+        running = [row for row in running if tokens[row] not in stop_token_ids]
+        if not running or step == max_tokens - 1:
+            return answers
         positions = positions[:, -1:] + 1
-    return Answer(tokens, top, second)
+        valid = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=1)
+        logits = model(chosen.to(device)[:, None], positions, cache, attention_mask(valid, 1))
+    return answers
 
 
 def route(confidence: Optional[float], threshold: float) -> str:

@@ -18,7 +18,7 @@ import time
 import re
 from dataclasses import dataclass
 
-from minfer.router import SIGNALS, greedy_answer
+from minfer.router import SIGNALS, greedy_answers
 
 MATCH_KINDS = ("number", "word", "word_exact_case")
 
@@ -105,20 +105,25 @@ def task_prompt_ids(tokenizer, task: Task) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)  # the template writes its own special tokens
 
 
-def answer_tasks(model, tokenizer, tasks: list[Task], max_tokens: int = 16) -> list[dict]:
-    """Answer each task greedily with `model` (batch 1, stopping at end of turn) and grade it.
+def answer_tasks(model, tokenizer, tasks: list[Task], max_tokens: int = 16, batch_size: int = 1) -> list[dict]:
+    """Answer each task greedily with `model` (stopping at end of turn) and grade it.
 
     One row per task: kind, the answer text, whether it is right, the confidence signals of
-    `minfer.router.SIGNALS`, the generated token count and the seconds it took."""
+    `minfer.router.SIGNALS` and the generated token count. At batch_size 1 each row also has the
+    seconds its answer took (what `RouterStudy.timed_cost` adds up); a batch's time belongs to no
+    single task, so batched rows have seconds None. The answers are the same either way."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     rows = []
-    for task in tasks:
-        ids = task_prompt_ids(tokenizer, task)
+    for first in range(0, len(tasks), batch_size):
+        batch = tasks[first:first + batch_size]
         start = time.perf_counter()
-        answer = greedy_answer(model, ids, max_tokens, stop)
-        seconds = time.perf_counter() - start
-        text = tokenizer.decode(answer.token_ids, skip_special_tokens=True)
-        rows.append({"kind": task.kind, "question": task.question, "expected": task.expected, "answer": text,
-                     "correct": task.check(text), "num_tokens": len(answer.token_ids), "seconds": seconds,
-                     **{signal: answer.confidence(signal) for signal in SIGNALS}})
+        answers = greedy_answers(model, [task_prompt_ids(tokenizer, t) for t in batch], max_tokens, stop)
+        seconds = time.perf_counter() - start if batch_size == 1 else None
+        for task, answer in zip(batch, answers):
+            text = tokenizer.decode(answer.token_ids, skip_special_tokens=True)
+            rows.append({"kind": task.kind, "question": task.question, "expected": task.expected, "answer": text,
+                         "correct": task.check(text), "num_tokens": len(answer.token_ids), "seconds": seconds,
+                         **{signal: answer.confidence(signal) for signal in SIGNALS}})
     return rows

@@ -7,7 +7,7 @@ import torch
 
 from minfer.bench.spec import cost_ratio
 from minfer.router import (Answer, Router, candidate_thresholds, cheapest_threshold, evaluate_routing, greedy_answer,
-                           route, routing_cost, separation_auc, threshold_sweep)
+                           greedy_answers, route, routing_cost, separation_auc, threshold_sweep)
 from minfer.spec.distill import init_draft_from_target
 from minfer.testing import tiny_llama
 
@@ -121,6 +121,27 @@ def test_a_reduced_head_answers_in_target_token_ids():
     draft = init_draft_from_target(target, [0], 24, head)
     answer = greedy_answer(draft, [1, 2, 3], 5)
     assert set(answer.token_ids) <= set(head.tolist())
+
+
+def test_a_batch_answers_as_each_prompt_alone():
+    """Left padding, per-row stops and a reduced head: every row equals its batch-1 answer."""
+    target = tiny_llama()
+    draft = init_draft_from_target(target, [0], 24, torch.tensor([7, 21, 40, 63, 5]))
+    prompts = [[3, 14, 15, 9, 2], [8], [1, 2, 3, 4, 5, 6, 7, 8, 9], [40, 41]]
+    for model in (target, draft):
+        alone = [greedy_answer(model, p, 7) for p in prompts]
+        stop = [alone[0].token_ids[1], alone[2].token_ids[0]]  # row 0 stops at its second token, row 2 at once
+        for stop_ids in ([], stop):
+            alone = [greedy_answer(model, p, 7, stop_ids) for p in prompts]
+            batched = greedy_answers(model, prompts, 7, stop_ids)
+            assert [a.token_ids for a in batched] == [a.token_ids for a in alone]
+            for b, a in zip(batched, alone):
+                assert b.top_probs == pytest.approx(a.top_probs, abs=1e-5)
+                assert b.second_probs == pytest.approx(a.second_probs, abs=1e-5)
+        assert len(batched[2].token_ids) == 1 and len(batched[0].token_ids) <= 2
+    for bad in ([], [[1, 2], []]):
+        with pytest.raises(ValueError, match="prompts"):
+            greedy_answers(target, bad, 4)
 
 
 def test_router_thresholds_at_the_extremes():

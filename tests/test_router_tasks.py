@@ -1,7 +1,8 @@
 """The router's labelled task set: enough tasks, reproducible, and checkers that accept right answers only."""
 import pytest
 
-from minfer.router_tasks import Task, make_tasks, task_prompt_ids
+from minfer.router import SIGNALS
+from minfer.router_tasks import Task, answer_tasks, make_tasks, task_prompt_ids
 
 
 def test_the_set_is_large_reproducible_and_its_answers_are_right():
@@ -42,3 +43,19 @@ def test_prompts_use_the_chat_template(llm):
     ids = task_prompt_ids(llm.tokenizer, task)
     text = llm.tokenizer.decode(ids)
     assert task.question in text and text.rstrip().endswith("assistant")
+
+
+def test_batched_answers_grade_as_one_at_a_time(llm):
+    """The real model on a dozen tasks of mixed prompt lengths: batches of 5 give batch 1's answers and
+    signals; only batch-1 rows carry seconds."""
+    tasks = make_tasks(1, seed=3)
+    one = answer_tasks(llm.model, llm.tokenizer, tasks, max_tokens=6)
+    batched = answer_tasks(llm.model, llm.tokenizer, tasks, max_tokens=6, batch_size=5)
+    assert len({len(task_prompt_ids(llm.tokenizer, t)) for t in tasks}) > 3  # the batches are padded
+    assert [r["answer"] for r in batched] == [r["answer"] for r in one]
+    assert [r["correct"] for r in batched] == [r["correct"] for r in one]
+    for b, a in zip(batched, one):
+        assert [b[s] for s in SIGNALS] == pytest.approx([a[s] for s in SIGNALS], abs=1e-4)
+    assert all(r["seconds"] > 0 for r in one) and all(r["seconds"] is None for r in batched)
+    with pytest.raises(ValueError, match="batch_size"):
+        answer_tasks(llm.model, llm.tokenizer, tasks, batch_size=0)

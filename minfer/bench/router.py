@@ -114,9 +114,11 @@ class RouterStudy:
             return [False] * len(self.cheap_rows)
         return [route(c, result.threshold) == "cheap" for c in self.confidences()]
 
-    def timed_cost(self, result: RoutingResult) -> float:
+    def timed_cost(self, result: RoutingResult) -> Optional[float]:
         """Measured: seconds of every cheap attempt plus the escalated full answers, over the seconds of the
-        full model answering everything."""
+        full model answering everything. None when the rows were answered in batches (no seconds per task)."""
+        if any(r["seconds"] is None for r in self.cheap_rows + self.full_rows):
+            return None
         cheap_s = sum(r["seconds"] for r in self.cheap_rows)
         full_s = sum(r["seconds"] for r, cheap in zip(self.full_rows, self.routed_cheap(result)) if not cheap)
         return (cheap_s + full_s) / sum(r["seconds"] for r in self.full_rows)
