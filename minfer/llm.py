@@ -65,8 +65,7 @@ class LLM:
 
     def __init__(self, model: str = DEFAULT_MODEL, *, attention: Union[str, AttentionFn] = "sdpa", **engine_args) -> None:
         config = EngineConfig.from_kwargs("LLM()", model=model, **engine_args)
-        loaded = load_model(config.model, config.dtype)
-        config.fit_to_model(loaded.config)
+        loaded = load_model(config.model, config.dtype, check_config=config.fit_to_model)
         self.config, self.tokenizer, self.model_path = loaded.config, loaded.tokenizer, loaded.path
         eos = loaded.eos_token_ids  # the generation config's, beside the tokenizer's
         self.device, self.dtype = config.device, config.dtype

@@ -102,7 +102,7 @@ def greedy_answers(model: LlamaModel, prompts: list[list[int]], max_tokens: int,
             answers[row].second_probs.append(second[row])
         running = [row for row in running if tokens[row] not in stop_token_ids]
         if not running or step == max_tokens - 1:
-            return answers
+            break
         positions = positions[:, -1:] + 1
         valid = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=1)
         logits = model(chosen.to(device)[:, None], positions, cache, attention_mask(valid, 1))

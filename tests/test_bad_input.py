@@ -74,5 +74,19 @@ def test_max_model_len_bounds_generation():
                          use_tqdm=False)[0]
     assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 12
     assert out.outputs[0].finish_reason == "length"
-    with pytest.raises(ValueError, match=r"max_model_len must be an integer in \[1, 8192\]"):
+
+
+def test_a_context_the_model_lacks_fails_before_its_weights_load(monkeypatch, tiny_dir):
+    """max_model_len is checked against the config alone: the error comes in a second, not after the load."""
+    import gguf
+    import safetensors.torch
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were read before the settings were checked")
+
+    monkeypatch.setattr(gguf.quants, "dequantize", no_weights)
+    monkeypatch.setattr(safetensors.torch, "load_file", no_weights)
+    with pytest.raises(ValueError, match=r"max_model_len must be an integer in \[1, 8192\] for this model"):
         LLM("smollm2-135m", max_model_len=10**6)
+    with pytest.raises(ValueError, match=r"max_model_len must be an integer in \[1, 256\] for this model"):
+        LLM(tiny_dir, max_model_len=257)

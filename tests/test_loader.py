@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from minfer import LLM
-from minfer.models.loader import load_model, resolve_model_path, unpermute_qk
+from minfer.models import loader
+from minfer.models.loader import gguf_tokenizer, load_model, resolve_model_path, tokenizer_cache_dir, unpermute_qk
 from minfer.testing import tiny_hf_checkpoint
 
 
@@ -75,3 +76,44 @@ def test_not_a_model_file(tmp_path):
     text.write_text("hello")
     with pytest.raises(ValueError, match="neither a .gguf file nor"):
         load_model(str(text))
+
+
+def test_gguf_tokenizer_is_converted_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    """The cached tokenizer encodes, decodes and templates like the one transformers converts from the
+    file; the second load converts nothing; a damaged entry is rebuilt; no writable cache still works."""
+    from transformers import AutoTokenizer
+
+    conversions = []
+    real = AutoTokenizer.from_pretrained
+
+    def counting(*args, **kwargs):
+        conversions.extend([kwargs["gguf_file"]] if "gguf_file" in kwargs else [])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", counting)
+    monkeypatch.setenv("MINFER_CACHE", str(tmp_path / "cache"))
+    path = resolve_model_path("smollm2-135m")
+    converted = gguf_tokenizer(path)
+    assert len(conversions) == 1 and len(list(tokenizer_cache_dir().iterdir())) == 1
+    cached = gguf_tokenizer(path)
+    assert len(conversions) == 1  # read back, not converted again
+    texts = ["The capital of France is", "def add(a, b):\n    return a + b  # ünïcode, 東京, 🙂",
+             "<|im_start|>user\nHi<|im_end|>"]
+    for text in texts:
+        assert cached.encode(text) == converted.encode(text)
+        assert cached.decode(cached.encode(text)) == converted.decode(converted.encode(text))
+    chat = [{"role": "user", "content": "What is 2 + 2?"}]
+    assert (cached.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            == converted.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+    assert (cached.eos_token_id, cached.bos_token_id, len(cached)) == (converted.eos_token_id, converted.bos_token_id,
+                                                                      len(converted))
+    assert loader.load_tokenizer("smollm2-135m").encode(texts[0]) == converted.encode(texts[0])
+    assert len(conversions) == 1  # the short name finds the same entry
+    entry = next(tokenizer_cache_dir().iterdir())
+    (entry / "tokenizer.json").write_text("{ damaged")
+    assert gguf_tokenizer(path).encode(texts[1]) == converted.encode(texts[1])
+    assert len(conversions) == 2  # rebuilt
+    assert cached.encode(texts[1]) == AutoTokenizer.from_pretrained(entry).encode(texts[1])  # and saved again
+    monkeypatch.setenv("MINFER_CACHE", str(tmp_path / "a-file"))
+    (tmp_path / "a-file").write_text("not a folder")
+    assert gguf_tokenizer(path).encode(texts[0]) == converted.encode(texts[0])

@@ -63,6 +63,7 @@ import httpx
 
 from minfer.bench.common import machine_info, write_docs_section
 from minfer.bench.serving import corpus_text, make_workload, percentile  # noqa: F401  (re-exported for chapter 09)
+from minfer.models.loader import load_tokenizer  # also chapter 09's bench.load_tokenizer
 
 DOCS_START = "<!-- bench_serve:start -->"
 DOCS_END = "<!-- bench_serve:end -->"
@@ -125,19 +126,6 @@ class RequestSpec:
     prompt: str
     prompt_len: int
     max_tokens: int
-
-
-def load_tokenizer(model: str):
-    """The tokenizer of a model minfer can find (a short name, a .gguf file or a Hugging Face folder), without its weights."""
-    from transformers import AutoTokenizer
-
-    from minfer.models.loader import resolve_model_path
-
-    path = resolve_model_path(model)
-    if os.path.isdir(path):
-        return AutoTokenizer.from_pretrained(path)
-    folder, filename = os.path.split(os.path.abspath(path))
-    return AutoTokenizer.from_pretrained(folder, gguf_file=filename)  # the GGUF file carries its tokenizer
 
 
 def sample_requests(tokenizer, num_prompts: int, input_len: tuple[int, int] = (32, 256),

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import hashlib
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -81,12 +84,15 @@ def _packaged_file(dist_name: str, module: str, filename: str) -> Path:
     return path
 
 
-def load_model(model: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(model: str, dtype: torch.dtype = torch.float32,
+               check_config: Optional[Callable[[ModelConfig], None]] = None) -> LoadedModel:
+    """check_config(config), if given, runs once the model's config is read and before its weights and
+    tokenizer are: a setting that does not fit the model fails in a second, not after the whole load."""
     path = resolve_model_path(model)
     if os.path.isdir(path):
-        return load_hf_dir(path, dtype)
+        return load_hf_dir(path, dtype, check_config)
     if path.endswith(".gguf"):
-        return load_gguf(path, dtype)
+        return load_gguf(path, dtype, check_config)
     raise ValueError(f"{path!r} is neither a .gguf file nor a Hugging Face model directory")
 
 
@@ -141,7 +147,8 @@ def _gguf_field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_gguf(path: str, dtype: torch.dtype = torch.float32,
+              check_config: Optional[Callable[[ModelConfig], None]] = None) -> LoadedModel:
     import gguf
 
     try:
@@ -154,18 +161,9 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     n_heads = _gguf_field(reader, "llama.attention.head_count")
     n_kv = _gguf_field(reader, "llama.attention.head_count_kv", n_heads)
     hidden = _gguf_field(reader, "llama.embedding_length")
-    weights: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        array = array.reshape([int(d) for d in reversed(tensor.shape)])  # GGUF lists dims innermost first
-        if tensor.name.startswith("blk.") and ".attn_q." in tensor.name:
-            array = unpermute_qk(array, n_heads)
-        elif tensor.name.startswith("blk.") and ".attn_k." in tensor.name:
-            array = unpermute_qk(array, n_kv)
-        weights[gguf_name_to_hf(tensor.name)] = torch.from_numpy(np.array(array, copy=True)).to(dtype)
-    vocab = weights["model.embed_tokens.weight"].shape[0]
+    shapes = {t.name: [int(d) for d in reversed(t.shape)] for t in reader.tensors}  # GGUF lists dims innermost first
     config = ModelConfig(
-        vocab_size=vocab,
+        vocab_size=shapes["token_embd.weight"][0],
         hidden_size=hidden,
         intermediate_size=_gguf_field(reader, "llama.feed_forward_length"),
         num_layers=_gguf_field(reader, "llama.block_count"),
@@ -175,13 +173,71 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
         rope_theta=float(_gguf_field(reader, "llama.rope.freq_base", 10000.0)),
         rms_norm_eps=float(_gguf_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
         max_position_embeddings=_gguf_field(reader, "llama.context_length", 2048),
-        tie_word_embeddings="lm_head.weight" not in weights,
+        tie_word_embeddings="output.weight" not in shapes,
     )
+    if check_config is not None:
+        check_config(config)
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shapes[tensor.name])
+        if tensor.name.startswith("blk.") and ".attn_q." in tensor.name:
+            array = unpermute_qk(array, n_heads)
+        elif tensor.name.startswith("blk.") and ".attn_k." in tensor.name:
+            array = unpermute_qk(array, n_kv)
+        weights[gguf_name_to_hf(tensor.name)] = torch.from_numpy(np.array(array, copy=True)).to(dtype)
+    return LoadedModel(config, weights, gguf_tokenizer(path), path)
+
+
+def tokenizer_cache_dir() -> Path:
+    """Where converted GGUF tokenizers are kept: $MINFER_CACHE/tokenizers, else ~/.cache/minfer/tokenizers
+    (or under $XDG_CACHE_HOME)."""
+    root = os.environ.get("MINFER_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "minfer")
+    return Path(root) / "tokenizers"
+
+
+def gguf_tokenizer(path: str):
+    """The tokenizer a GGUF file carries, as a transformers tokenizer.
+
+    transformers rebuilds it from the file's vocabulary and merges on every load (about 5 s for
+    SmolLM2 on one core), so the result is saved once in `tokenizer_cache_dir()`, under a key made
+    of the file's path, size and modification time and the transformers version, and read back
+    from there (a fraction of a second). Without a writable cache folder it is rebuilt each time."""
+    import transformers
     from transformers import AutoTokenizer
 
-    folder, filename = os.path.split(os.path.abspath(path))
+    path = os.path.abspath(path)
+    stat = os.stat(path)
+    key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    cached = tokenizer_cache_dir() / hashlib.sha256(key.encode()).hexdigest()[:20]
+    if cached.is_dir():
+        try:
+            return AutoTokenizer.from_pretrained(cached)
+        except (OSError, ValueError):
+            shutil.rmtree(cached, ignore_errors=True)  # a damaged entry: rebuild it below
+    folder, filename = os.path.split(path)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
-    return LoadedModel(config, weights, tokenizer, path)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        staging = tempfile.mkdtemp(dir=cached.parent)
+    except OSError:
+        return tokenizer  # no writable cache folder
+    try:
+        tokenizer.save_pretrained(staging)
+        os.rename(staging, cached)  # atomic: another process sees the whole entry or none
+    except OSError:  # e.g. another process saved the same entry first
+        shutil.rmtree(staging, ignore_errors=True)
+    return tokenizer
+
+
+def load_tokenizer(model: str):
+    """The tokenizer of a model minfer can find (a short name, a .gguf file or a Hugging Face folder), without its weights."""
+    path = resolve_model_path(model)
+    if os.path.isdir(path):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    return gguf_tokenizer(path)
 
 
 # --------------------------------------------------------------------------- Hugging Face
@@ -248,7 +304,8 @@ def moe_fields(hf: dict, model_type: str) -> dict:
                 sparse_layers=sparse)
 
 
-def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_hf_dir(path: str, dtype: torch.dtype = torch.float32,
+                check_config: Optional[Callable[[ModelConfig], None]] = None) -> LoadedModel:
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
@@ -266,6 +323,8 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     quantization = hf.get("quantization_config")
     if quantization is not None:
         check_quantization_config(quantization, config, str(config_file))
+    if check_config is not None:
+        check_config(config)
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         try:
