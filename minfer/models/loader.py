@@ -307,7 +307,6 @@ def moe_fields(hf: dict, model_type: str) -> dict:
 def load_hf_dir(path: str, dtype: torch.dtype = torch.float32,
                 check_config: Optional[Callable[[ModelConfig], None]] = None) -> LoadedModel:
     from safetensors.torch import load_file
-    from transformers import AutoTokenizer
 
     config_file = Path(path) / "config.json"
     files = sorted(Path(path).glob("*.safetensors"))
@@ -333,8 +332,7 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32,
             raise ValueError(f"{file} is not a readable safetensors file ({exc})") from exc
     # quantized codes, scales and minimums stay exactly as stored
     weights = {name: w if quantization and is_quantized_tensor(name) else w.to(dtype) for name, w in weights.items()}
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return LoadedModel(config, weights, tokenizer, path, quantization, generation_eos_ids(path))
+    return LoadedModel(config, weights, load_tokenizer(path), path, quantization, generation_eos_ids(path))
 
 
 def generation_eos_ids(folder: str) -> tuple[int, ...]:
