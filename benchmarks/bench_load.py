@@ -1,0 +1,66 @@
+"""What loading a GGUF model costs, with and without the converted tokenizer in its cache (minfer.models.loader).
+
+    python benchmarks/bench_load.py [--model smollm2-135m] [--repeats 3]
+
+Each repeat gets a fresh, empty cache folder (MINFER_CACHE): the tokenizer converted from the file, then read back
+from the cache; `LLM(model)` with the cache empty, then filled; then a `max_model_len` the model cannot take,
+which fails once the config is read. All in one process, one thread, side by side; best of the repeats.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+from minfer import LLM
+from minfer.models.loader import gguf_tokenizer, resolve_model_path
+
+
+def seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def refused(model: str) -> None:
+    try:
+        LLM(model, max_model_len=10**7)
+    except ValueError:
+        return
+    raise AssertionError("a max_model_len of 10**7 was accepted")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    path = resolve_model_path(args.model)
+    if not path.endswith(".gguf"):
+        parser.error(f"--model must be a GGUF model (its tokenizer is what gets cached), got {path}")
+    gguf_tokenizer(path)  # imports transformers' tokenizer code once, outside the timings
+    times: dict[str, list[float]] = {k: [] for k in ("converted", "cached", "LLM cold", "LLM warm", "refused")}
+    for _ in range(args.repeats):
+        for first, second, fn in (("converted", "cached", lambda: gguf_tokenizer(path)),
+                                  ("LLM cold", "LLM warm", lambda: LLM(args.model, dtype="float32"))):
+            folder = tempfile.mkdtemp(prefix="minfer_cache_")
+            os.environ["MINFER_CACHE"] = folder
+            times[first].append(seconds(fn))
+            times[second].append(seconds(fn))
+            shutil.rmtree(folder)
+        times["refused"].append(seconds(lambda: refused(args.model)))
+    best = {k: min(v) for k, v in times.items()}
+    print(f"{args.model}, one thread, best of {args.repeats}\n\n| | s |\n|---|---:|")
+    print(f"| the tokenizer converted from the file | {best['converted']:.2f} |")
+    print(f"| the same tokenizer read from the cache | {best['cached']:.2f} |")
+    print(f"| `LLM(\"{args.model}\")`, empty cache | {best['LLM cold']:.2f} |")
+    print(f"| `LLM(\"{args.model}\")`, cache filled | {best['LLM warm']:.2f} ({best['LLM warm'] / best['LLM cold']:.2f}x) |")
+    print(f"| `LLM(\"{args.model}\", max_model_len=10**7)` refused | {best['refused']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
