@@ -1,8 +1,9 @@
-"""What loading a GGUF model costs, with and without the converted tokenizer in its cache (minfer.models.loader).
+"""What loading a GGUF model costs: its header, its tokenizer with and without the cache, the whole `LLM(model)`.
 
     python benchmarks/bench_load.py [--model smollm2-135m] [--repeats 3]
 
-Each repeat gets a fresh, empty cache folder (MINFER_CACHE): the tokenizer converted from the file, then read back
+Each repeat reads the file's header with the gguf package's reader and with minfer's (minfer.formats.gguf_file),
+then gets a fresh, empty cache folder (MINFER_CACHE): the tokenizer converted from the file, then read back
 from the cache; `LLM(model)` with the cache empty, then filled; then a `max_model_len` the model cannot take,
 which fails once the config is read. All in one process, one thread, side by side; best of the repeats.
 """
@@ -14,8 +15,10 @@ import shutil
 import tempfile
 import time
 
+import gguf
 import torch
 from minfer import LLM
+from minfer.formats.gguf_file import read_gguf_file
 from minfer.models.loader import gguf_tokenizer, resolve_model_path
 
 
@@ -43,8 +46,11 @@ def main() -> None:
     if not path.endswith(".gguf"):
         parser.error(f"--model must be a GGUF model (its tokenizer is what gets cached), got {path}")
     gguf_tokenizer(path)  # imports transformers' tokenizer code once, outside the timings
-    times: dict[str, list[float]] = {k: [] for k in ("converted", "cached", "LLM cold", "LLM warm", "refused")}
+    names = ("gguf reader", "minfer reader", "converted", "cached", "LLM cold", "LLM warm", "refused")
+    times: dict[str, list[float]] = {k: [] for k in names}
     for _ in range(args.repeats):
+        times["gguf reader"].append(seconds(lambda: gguf.GGUFReader(path)))
+        times["minfer reader"].append(seconds(lambda: read_gguf_file(path)))
         for first, second, fn in (("converted", "cached", lambda: gguf_tokenizer(path)),
                                   ("LLM cold", "LLM warm", lambda: LLM(args.model, dtype="float32"))):
             folder = tempfile.mkdtemp(prefix="minfer_cache_")
@@ -55,6 +61,8 @@ def main() -> None:
         times["refused"].append(seconds(lambda: refused(args.model)))
     best = {k: min(v) for k, v in times.items()}
     print(f"{args.model}, one thread, best of {args.repeats}\n\n| | s |\n|---|---:|")
+    print(f"| the file's header and tensor table, `gguf.GGUFReader` | {best['gguf reader']:.2f} |")
+    print(f"| the same, `minfer.formats.gguf_file.read_gguf_file` | {best['minfer reader']:.3f} |")
     print(f"| the tokenizer converted from the file | {best['converted']:.2f} |")
     print(f"| the same tokenizer read from the cache | {best['cached']:.2f} |")
     print(f"| `LLM(\"{args.model}\")`, empty cache | {best['LLM cold']:.2f} |")

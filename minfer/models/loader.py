@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from minfer.config import ModelConfig
+from minfer.formats.gguf_file import read_gguf_file
 
 # Short names for models that ship inside an installed package (no network at run time).
 KNOWN_MODELS = {
@@ -142,49 +143,49 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     )
 
 
-def _gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
 def load_gguf(path: str, dtype: torch.dtype = torch.float32,
               check_config: Optional[Callable[[ModelConfig], None]] = None) -> LoadedModel:
     import gguf
 
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as exc:  # gguf raises bare ValueError/struct errors on a damaged file
-        raise ValueError(f"{path!r} is not a readable GGUF file ({exc})") from exc
-    arch = _gguf_field(reader, "general.architecture")
+    file = read_gguf_file(path)
+    meta = file.metadata
+    arch = meta.get("general.architecture")
     if arch != "llama":
         raise ValueError(f"unsupported architecture {arch!r} in {path}: minfer reads GGUF 'llama' models")
-    n_heads = _gguf_field(reader, "llama.attention.head_count")
-    n_kv = _gguf_field(reader, "llama.attention.head_count_kv", n_heads)
-    hidden = _gguf_field(reader, "llama.embedding_length")
-    shapes = {t.name: [int(d) for d in reversed(t.shape)] for t in reader.tensors}  # GGUF lists dims innermost first
+
+    def required(key: str):
+        if key not in meta:
+            raise ValueError(f"{path!r} lacks the GGUF metadata key {key!r} that a llama model needs")
+        return meta[key]
+
+    if "token_embd.weight" not in file.tensors:
+        raise ValueError(f"{path!r} has no token embedding tensor 'token_embd.weight'")
+    n_heads = required("llama.attention.head_count")
+    n_kv = meta.get("llama.attention.head_count_kv", n_heads)
+    hidden = required("llama.embedding_length")
     config = ModelConfig(
-        vocab_size=shapes["token_embd.weight"][0],
+        vocab_size=file.tensors["token_embd.weight"].shape[0],
         hidden_size=hidden,
-        intermediate_size=_gguf_field(reader, "llama.feed_forward_length"),
-        num_layers=_gguf_field(reader, "llama.block_count"),
+        intermediate_size=required("llama.feed_forward_length"),
+        num_layers=required("llama.block_count"),
         num_heads=n_heads,
         num_kv_heads=n_kv,
         head_dim=hidden // n_heads,
-        rope_theta=float(_gguf_field(reader, "llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(_gguf_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=_gguf_field(reader, "llama.context_length", 2048),
-        tie_word_embeddings="output.weight" not in shapes,
+        rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=meta.get("llama.context_length", 2048),
+        tie_word_embeddings="output.weight" not in file.tensors,
     )
     if check_config is not None:
         check_config(config)
     weights: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shapes[tensor.name])
-        if tensor.name.startswith("blk.") and ".attn_q." in tensor.name:
+    for name, tensor in file.tensors.items():
+        array = gguf.quants.dequantize(tensor.data, tensor.type).reshape(tensor.shape)
+        if name.startswith("blk.") and ".attn_q." in name:
             array = unpermute_qk(array, n_heads)
-        elif tensor.name.startswith("blk.") and ".attn_k." in tensor.name:
+        elif name.startswith("blk.") and ".attn_k." in name:
             array = unpermute_qk(array, n_kv)
-        weights[gguf_name_to_hf(tensor.name)] = torch.from_numpy(np.array(array, copy=True)).to(dtype)
+        weights[gguf_name_to_hf(name)] = torch.from_numpy(np.array(array, copy=True)).to(dtype)
     return LoadedModel(config, weights, gguf_tokenizer(path), path)
 
 

@@ -19,33 +19,24 @@ model whose weights were never quantized.
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 
+from minfer.formats.gguf_file import GGUFTensor, read_gguf_file
 from minfer.formats.weights import quantize_int4_groupwise
 
 Q4_1_GROUP = 32
 Q4_1_BLOCK_BYTES = 20
+Q4_1_TYPE = 3  # its ggml type number (gguf.GGMLQuantizationType.Q4_1)
 
 
-@functools.lru_cache(maxsize=2)
-def _reader(path: str):
-    import gguf
-
-    return gguf.GGUFReader(path)  # parses the whole header (seconds): once per file
-
-
-def _tensor(path: str, name: str):
-    import gguf
-
-    for tensor in _reader(path).tensors:
-        if tensor.name == name:
-            if tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1:
-                raise ValueError(f"tensor {name!r} is {tensor.tensor_type.name}, not Q4_1")
-            return tensor
-    raise ValueError(f"no tensor {name!r} in {path}")
+def _tensor(path: str, name: str) -> GGUFTensor:
+    tensor = read_gguf_file(path).tensors.get(name)
+    if tensor is None:
+        raise ValueError(f"no tensor {name!r} in {path}")
+    if tensor.type != Q4_1_TYPE:
+        raise ValueError(f"tensor {name!r} is ggml type {tensor.type}, not Q4_1 ({Q4_1_TYPE})")
+    return tensor
 
 
 def read_q4_1(path: str, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
