@@ -30,16 +30,19 @@ lab: setup
 # two threads per process on two busy cores wait on each other); --dist loadfile keeps each
 # notebook's cells in order.
 TEST_WORKERS ?= 2
+CHROMIUM ?= $(shell command -v chromium || command -v chromium-browser)
+SCREENSHOTS ?= build/screenshots
+# The browser test (tests/test_notebooks_in_browser.py) is one of the tests, so it shares the cores with the
+# others instead of running after them; it is skipped without a Chromium.
 test: setup
-	MINFER_IMPL=solutions OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests notebooks \
+	MINFER_IMPL=solutions OMP_NUM_THREADS=1 CHROMIUM=$(CHROMIUM) SCREENSHOTS=$(SCREENSHOTS) \
+		$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests notebooks \
 		--nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg --durations=15
-	@if [ -n "$(CHROMIUM)" ]; then $(MAKE) --no-print-directory test-browser; \
-	else echo "test-browser skipped: no chromium on PATH (Debian: apt-get install chromium; or make test CHROMIUM=/path/to/it)"; fi
+	@if [ -n "$(CHROMIUM)" ]; then cat $(SCREENSHOTS)/report.txt 2>/dev/null || true; \
+	else echo "browser test skipped: no chromium on PATH (Debian: apt-get install chromium; or make test CHROMIUM=/path/to/it)"; fi
 
 # The notebooks as a learner sees them: JupyterLab in headless Chromium, driven by Playwright with the
 # system's Chromium (no browser download); widgets and plots checked, one screenshot per notebook.
-CHROMIUM ?= $(shell command -v chromium || command -v chromium-browser)
-SCREENSHOTS ?= build/screenshots
 test-browser: setup
 	MINFER_IMPL=solutions OMP_NUM_THREADS=1 $(BIN)/python tests/browser/notebooks_in_browser.py \
 		--screenshots $(SCREENSHOTS) $(if $(CHROMIUM),--chromium $(CHROMIUM))
