@@ -28,7 +28,8 @@ lab: setup
 # Notebooks run with the worked solutions plugged in (MINFER_IMPL=solutions) and are compared by nbval.
 # Two test processes with one torch thread each (OMP_NUM_THREADS reaches the notebooks' kernels too:
 # two threads per process on two busy cores wait on each other); --dist loadfile keeps each
-# notebook's cells in order.
+# notebook's cells in order, and --no-loadscope-reorder the longest-first order of the files that
+# tests/conftest.py sets from tests/durations.json (make test PYTEST_ARGS=--record-durations rewrites it).
 TEST_WORKERS ?= 2
 CHROMIUM ?= $(shell command -v chromium || command -v chromium-browser)
 SCREENSHOTS ?= build/screenshots
@@ -37,7 +38,7 @@ SCREENSHOTS ?= build/screenshots
 test: setup
 	MINFER_IMPL=solutions OMP_NUM_THREADS=1 CHROMIUM=$(CHROMIUM) SCREENSHOTS=$(SCREENSHOTS) \
 		$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests notebooks \
-		--nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg --durations=15
+		--no-loadscope-reorder --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg --durations=15 $(PYTEST_ARGS)
 	@if [ -n "$(CHROMIUM)" ]; then cat $(SCREENSHOTS)/report.txt 2>/dev/null || true; \
 	else echo "browser test skipped: no chromium on PATH (Debian: apt-get install chromium; or make test CHROMIUM=/path/to/it)"; fi
 

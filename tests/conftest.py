@@ -1,10 +1,14 @@
-"""Shared fixtures: the real model, its transformers reference, and the tiny random models.
+"""Shared fixtures: the real model, its transformers reference, and the tiny random models; and the
+order in which the test files run (longest first, from tests/durations.json).
 
 The tiny models are built by `minfer.testing` (one builder per kind); the fixtures here give each
 variant a name, build it once per test process, and never write into it (a test that changes its
 model's files builds its own copy in tmp_path).
 """
+import json
 import os
+from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,6 +87,8 @@ def pytest_addoption(parser):
     parser.addoption("--impl", choices=IMPLS, default=os.environ.get("MINFER_IMPL") or "solutions",
                      help="which code the chapter tests check: your exercises/ or the solutions/ (default: $MINFER_IMPL, "
                           "else solutions)")
+    parser.addoption("--record-durations", action="store_true",
+                     help=f"write each test file's seconds (setup, call and teardown of its tests) to {DURATIONS}")
 
 
 def pytest_configure(config):
@@ -90,3 +96,40 @@ def pytest_configure(config):
     # test models are too small to split, and two threads slow down 10x when the other core is busy.
     # The Makefile runs two test processes instead (pytest-xdist), one per core.
     torch.set_num_threads(1)
+
+
+# --------------------------------------------------------------------------- the order of the files
+# `make test` spreads whole files over two processes (--dist loadfile), and each process is handed its
+# next file while it still has two tests to go. In pytest-xdist's default order (files with the most
+# tests first) a long file with one test, such as the browser test, comes last and leaves the other
+# process idle for minutes. So files run longest first, by the seconds a recorded run took
+# (`pytest --record-durations ...` rewrites the file; one not in it counts as 1 s a test), and the
+# Makefile tells xdist to keep this order (--no-loadscope-reorder).
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def test_file(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    recorded = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    tests_per_file: dict[str, int] = defaultdict(int)
+    for item in items:
+        tests_per_file[test_file(item.nodeid)] += 1
+    seconds = {f: recorded.get(f, float(n)) for f, n in tests_per_file.items()}
+    items.sort(key=lambda item: -seconds[test_file(item.nodeid)])  # stable: a file's tests keep their order
+
+
+_recorded_seconds: dict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    _recorded_seconds[test_file(report.nodeid)] += report.duration
+
+
+def pytest_sessionfinish(session):
+    # the controller process sees every worker's reports; a worker (it has `workerinput`) writes nothing
+    if session.config.getoption("--record-durations") and not hasattr(session.config, "workerinput"):
+        DURATIONS.write_text(json.dumps({f: round(s, 1) for f, s in sorted(_recorded_seconds.items(),
+                                                                          key=lambda kv: -kv[1])}, indent=1) + "\n")
