@@ -1,29 +1,37 @@
 """The suite's files run longest first (tests/conftest.py, from tests/durations.json), so that neither test
 process is left idle at the end while the other runs a long file."""
 import json
-import subprocess
-import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+from conftest import DURATIONS, pytest_collection_modifyitems
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def collected_files(*paths: str) -> list[str]:
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *paths], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300).stdout
-    files = [line.split("::")[0] for line in out.splitlines() if "::" in line]
-    return list(dict.fromkeys(files))
+def ordered_files(*nodeids: str) -> list[str]:
+    items = [SimpleNamespace(nodeid=n) for n in nodeids]
+    pytest_collection_modifyitems(config=None, items=items)
+    return list(dict.fromkeys(item.nodeid.split("::")[0] for item in items))
 
 
-def test_longest_recorded_file_is_collected_first_whatever_the_order_given():
-    recorded = json.loads((ROOT / "tests" / "durations.json").read_text())
+def test_longest_recorded_file_runs_first_whatever_the_order_collected():
+    recorded = json.loads(DURATIONS.read_text())
     short, long = "tests/test_packaging.py", "tests/test_kernel_compile.py"
     assert recorded[long] > 10 * recorded[short]
-    assert collected_files(short, long) == [long, short]
-    assert collected_files(long, short) == [long, short]
+    tests = [f"{short}::a", f"{short}::b", f"{long}::a", f"{long}::b"]
+    assert ordered_files(*tests) == [long, short]
+    assert ordered_files(*reversed(tests)) == [long, short]
+
+
+def test_a_file_not_recorded_counts_one_second_a_test_and_keeps_its_tests_in_order():
+    new = [f"tests/new_{i // 3}.py::t{i}" for i in range(6)]  # two files of three tests: 3 s each
+    items = [SimpleNamespace(nodeid=n) for n in ["tests/test_packaging.py::x"] + new]  # recorded: well under 3 s
+    pytest_collection_modifyitems(config=None, items=items)
+    assert [i.nodeid for i in items] == new + ["tests/test_packaging.py::x"]
 
 
 def test_every_recorded_file_exists():
     """A renamed or deleted file would keep a stale entry: rewrite the file with --record-durations."""
-    recorded = json.loads((ROOT / "tests" / "durations.json").read_text())
+    recorded = json.loads(DURATIONS.read_text())
     assert [f for f in recorded if not (ROOT / f).exists()] == []
