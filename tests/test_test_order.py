@@ -1,12 +1,16 @@
 """The suite's files run longest first (tests/conftest.py, from tests/durations.json), so that neither test
 process is left idle at the end while the other runs a long file."""
+import importlib.util
 import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from conftest import DURATIONS, pytest_collection_modifyitems
-
 ROOT = Path(__file__).resolve().parents[1]
+# by path: `import conftest` may find tests/exercises/conftest.py, which pytest also imports as "conftest"
+_spec = importlib.util.spec_from_file_location("minfer_tests_conftest", ROOT / "tests" / "conftest.py")
+conftest = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(conftest)
+DURATIONS, pytest_collection_modifyitems = conftest.DURATIONS, conftest.pytest_collection_modifyitems
 
 
 def ordered_files(*nodeids: str) -> list[str]:
