@@ -27,15 +27,16 @@ from minfer.formats.weights import quantize_int4_groupwise
 
 Q4_1_GROUP = 32
 Q4_1_BLOCK_BYTES = 20
-Q4_1_TYPE = 3  # its ggml type number (gguf.GGMLQuantizationType.Q4_1)
 
 
 def _tensor(path: str, name: str) -> GGUFTensor:
+    from gguf import GGMLQuantizationType
+
     tensor = read_gguf_file(path).tensors.get(name)
     if tensor is None:
         raise ValueError(f"no tensor {name!r} in {path}")
-    if tensor.type != Q4_1_TYPE:
-        raise ValueError(f"tensor {name!r} is ggml type {tensor.type}, not Q4_1 ({Q4_1_TYPE})")
+    if tensor.type != GGMLQuantizationType.Q4_1:
+        raise ValueError(f"tensor {name!r} is {GGMLQuantizationType(tensor.type).name}, not Q4_1")
     return tensor
 
 
