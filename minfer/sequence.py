@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from minfer.detokenizer import IncrementalDetokenizer
 from minfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minfer.sampling_params import SamplingParams
 
@@ -38,6 +39,7 @@ class Sequence:
     logprobs: Optional[list] = None
     cumulative_logprob: Optional[float] = None
     prompt_logprobs: Optional[list] = None  # on completion 0 only: the n completions share one prompt
+    detokenizer: Optional[IncrementalDetokenizer] = field(default=None, repr=False)  # made at the first token
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -57,8 +59,21 @@ class Sequence:
 
     @property
     def token_ids(self) -> list[int]:
-        """Prompt and output so far: what the cache must hold before the next token."""
+        """Prompt and output so far: what the cache must hold before the next token (a new list)."""
         return self.prompt_token_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """len(token_ids), without building the list (the engine asks every step)."""
+        return len(self.prompt_token_ids) + len(self.output_ids)
+
+    def token_ids_between(self, start: int, stop: int) -> list[int]:
+        """(token_ids + spec_token_ids)[start:stop]: a step's input, without copying the whole sequence."""
+        ids = []
+        for part in (self.prompt_token_ids, self.output_ids, self.spec_token_ids):
+            ids += part[max(0, start):max(0, stop)]
+            start, stop = start - len(part), stop - len(part)
+        return ids
 
     @property
     def finished(self) -> bool:
@@ -69,25 +84,33 @@ class Sequence:
         now = time.perf_counter()
         if not self.output_ids:
             self.metrics.first_token_time = now
+            self.detokenizer = IncrementalDetokenizer(tokenizer, self.params.skip_special_tokens)
         self.output_ids.append(token)
         self.metrics.num_output_tokens = len(self.output_ids)
         p = self.params
         eos = not p.ignore_eos and token in eos_ids
         stopped = eos or token in (p.stop_token_ids or ())
         # the token that stops a sequence stays in its token_ids but not in its text, as in vLLM
-        shown = self.output_ids[:-1] if stopped and not p.include_stop_str_in_output else self.output_ids
-        self.text = tokenizer.decode(shown, skip_special_tokens=p.skip_special_tokens)
+        if not stopped or p.include_stop_str_in_output:
+            self.detokenizer.append(token)
+        searched = len(self.text)
+        # the last text is the full decode; until then a character split over tokens waits for its last byte
+        last = stopped or len(self.output_ids) >= self.max_tokens
+        self.text = self.detokenizer.flush() if last else self.detokenizer.text
         if stopped:  # stop_reason: None for the tokenizer's own EOS, else the token (vLLM's convention)
             self.finish_reason, self.stop_reason = "stop", None if eos and token == tokenizer.eos_token_id else token
-        elif self._truncate_at_stop_string():
+        elif self._truncate_at_stop_string(searched):
             self.finish_reason = "stop"
-        elif len(self.output_ids) >= self.max_tokens:
+        elif last:
             self.finish_reason = "length"
         if self.finished:
             self.metrics.finished_time = now
 
-    def _truncate_at_stop_string(self) -> bool:
-        hits = [(self.text.find(s), s) for s in self.params.stop_strings if s in self.text]
+    def _truncate_at_stop_string(self, searched: int) -> bool:
+        """End the text at the first stop string in it. The text before `searched` was searched at
+        earlier tokens, so only a stop string ending in the new text can be there (each step costs the same)."""
+        hits = [(position, s) for s in self.params.stop_strings
+                if (position := self.text.find(s, max(0, searched - len(s) + 1))) >= 0]
         if not hits:
             return False
         position, stop = min(hits)

@@ -116,3 +116,33 @@ def test_invariants_hold_under_random_workloads(ops, block_size, num_blocks, cac
         bm.free(table)
     bm.check_invariants([])
     assert bm.num_free_blocks == num_blocks
+
+
+
+class CountingList(list):
+    """A token list that counts the slices taken from it (sealing takes one per block it hashes)."""
+
+    slices = 0
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            CountingList.slices += 1
+        return super().__getitem__(index)
+
+
+def test_sealing_hashes_only_the_blocks_that_just_filled():
+    # A step of a long sequence must cost what a step of a short one does: each block is hashed
+    # once however often sealing is asked for, into the same chain as one pass over the whole sequence.
+    bm = BlockManager(num_blocks=64, block_size=4)
+    tokens = CountingList(range(100))
+    table, _ = bm.allocate(list(range(5)))
+    CountingList.slices = 0
+    for computed in range(5, 101):
+        bm.append(table, computed)
+        bm.seal_full_blocks(table, tokens, computed)
+    assert CountingList.slices == 25  # 100 tokens, 25 blocks
+    at_once = BlockManager(num_blocks=64, block_size=4)
+    other, _ = at_once.allocate(list(range(100)))
+    at_once.seal_full_blocks(other, list(range(100)), 100)
+    assert [bm.blocks[b].hash for b in table] == [at_once.blocks[b].hash for b in other]
+    assert None not in [bm.blocks[b].hash for b in table]

@@ -127,13 +127,17 @@ class BlockManager:
         """Register the hashes of blocks that are now full of computed tokens (for later requests)."""
         if not self.enable_prefix_caching:
             return
-        parent = None
-        for i in range(num_computed // self.block_size):
+        # sealed blocks form the start of a table (a hash needs its parent's): walk back from the last
+        # full block to the last sealed one, so that a step costs the same however long the sequence is
+        first = num_computed // self.block_size
+        while first > 0 and self.blocks[table[first - 1]].hash is None:
+            first -= 1
+        parent = self.blocks[table[first - 1]].hash if first else None
+        for i in range(first, num_computed // self.block_size):
             block = self.blocks[table[i]]
             tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-            if block.hash is None:
-                block.hash, block.token_ids = block_hash(tokens, parent), tokens
-                self.cached.setdefault(block.hash, block.block_id)
+            block.hash, block.token_ids = block_hash(tokens, parent), tokens
+            self.cached.setdefault(block.hash, block.block_id)
             parent = block.hash
 
     def free(self, table: list[int]) -> None:

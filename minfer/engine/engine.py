@@ -175,9 +175,12 @@ class Engine:
 
     def _advance(self, batch: list[tuple[Sequence, int]], num_tokens: int) -> None:
         """The scheduled tokens are in the cache now: count them, and seal the blocks they filled."""
+        block_size = self.blocks.block_size
         for seq, count in batch:
-            seq.num_computed = min(seq.num_computed + count, len(seq.token_ids))  # drafts count once accepted
-            self.blocks.seal_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
+            before = seq.num_computed
+            seq.num_computed = min(before + count, seq.num_tokens)  # drafts count once accepted
+            if seq.num_computed // block_size > before // block_size:  # a block filled up
+                self.blocks.seal_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
         self.stats.computed_tokens += num_tokens
         self.stats.steps += 1
         self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, self.blocks.num_blocks - self.blocks.num_free_blocks)
@@ -214,7 +217,7 @@ class Engine:
     # ---------------------------------------------------------------- speculative decoding
     def _propose(self) -> None:
         """Give each decoding sequence (all computed but its newest token) up to k draft tokens."""
-        ready = [s for s in self.scheduler.running if not s.spec_token_ids and s.num_computed == len(s.token_ids) - 1]
+        ready = [s for s in self.scheduler.running if not s.spec_token_ids and s.num_computed == s.num_tokens - 1]
         # a pass emits up to k + 1 tokens: never draft past max_tokens (and so past the context window)
         wanted = [min(self.num_speculative_tokens, s.max_tokens - len(s.output_ids) - 1) for s in ready]
         seqs, wanted = [s for s, k in zip(ready, wanted) if k > 0], [k for k in wanted if k > 0]
@@ -240,9 +243,9 @@ class Engine:
         # the K/V of the accepted drafts are right, a rejected draft's slot will be overwritten:
         # only the newest token remains to compute. Seal blocks over accepted tokens only, and give
         # back blocks that only held rejected drafts.
-        seq.num_computed = len(seq.token_ids) - 1
+        seq.num_computed = seq.num_tokens - 1
         self.blocks.seal_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
-        keep = self.blocks.blocks_needed(len(seq.token_ids))
+        keep = self.blocks.blocks_needed(seq.num_tokens)
         surplus = seq.block_table[keep:]
         del seq.block_table[keep:]
         self.blocks.free(surplus)

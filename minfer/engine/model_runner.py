@@ -164,10 +164,9 @@ class ModelRunner:
                 if first < last:
                     score_at += range(len(input_ids) + first - start, len(input_ids) + last - start)
                     scored.append((seq, first, last))
-            known = seq.token_ids + seq.spec_token_ids  # draft tokens ride along to be verified
-            input_ids += known[start:start + count]
+            input_ids += seq.token_ids_between(start, start + count)  # draft tokens ride along to be verified
             positions += range(start, start + count)
-            if start + count == len(known):  # it has computed all it knows: sample the next token (and verify drafts)
+            if start + count == seq.num_tokens + len(seq.spec_token_ids):  # all it knows: sample (and verify drafts)
                 rows = slice(len(sample_at), len(sample_at) + 1 + len(seq.spec_token_ids))
                 sample_at += range(len(input_ids) - 1 - len(seq.spec_token_ids), len(input_ids))
                 sampled.append((seq, rows))

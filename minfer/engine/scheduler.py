@@ -62,7 +62,7 @@ class Scheduler:
         are optional, so cut them to what the token budget and the free blocks allow instead of
         preempting anyone for them."""
         keep = max(0, min(len(seq.spec_token_ids), budget - 1))
-        while keep and not self.blocks.can_append(len(seq.token_ids) + keep, seq.block_table):
+        while keep and not self.blocks.can_append(seq.num_tokens + keep, seq.block_table):
             keep -= 1
         del seq.spec_token_ids[keep:]
 
@@ -76,7 +76,7 @@ class Scheduler:
                 continue
             if seq.spec_token_ids:
                 self._fit_draft(seq, budget)
-            todo = min(len(seq.token_ids) + len(seq.spec_token_ids) - seq.num_computed, budget)
+            todo = min(seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed, budget)
             if todo <= 0:
                 break
             while not self.blocks.can_append(seq.num_computed + todo, seq.block_table):

@@ -28,6 +28,23 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     return logits
 
 
+def sample_from(weights: torch.Tensor, generators: Sequence[Optional[torch.Generator]]) -> list[int]:
+    """One token per row of weights [rows, vocab] (probabilities, or any non-negative weights, on
+    the CPU), row i drawn with generators[i].
+
+    Inverse transform sampling: one uniform number per row, looked up in the row's running sum.
+    torch.multinomial costs as much as drawing a random number for every token of the vocabulary
+    (1.3 ms a row for SmolLM2's 49,152 tokens on one CPU core, more than a decode step of a small
+    model); this costs a cumulative sum, 0.07 ms (benchmarks/bench_step_overhead.py). In float32,
+    a token's probability is off by at most half a rounding step of the running sum (3e-8)."""
+    cdf = weights.float().cumsum(dim=-1)
+    total = cdf[:, -1:].contiguous()
+    uniforms = torch.cat([torch.rand(1, generator=g) for g in generators])
+    tokens = torch.searchsorted(cdf, (uniforms[:, None] * total).contiguous(), right=True)
+    # rounding may put u * total at the very end: then the last token with any weight
+    return torch.minimum(tokens, torch.searchsorted(cdf, total)).view(-1).tolist()
+
+
 def sample_next_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
                        generators: Sequence[Optional[torch.Generator]]) -> list[int]:
     """logits [batch, vocab] float32 -> one token id per row, each row with its own settings.
@@ -37,12 +54,13 @@ def sample_next_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
     """
     tokens = logits.argmax(dim=-1).tolist()
     sampled = [row for row, p in enumerate(params) if not p.greedy]
-    probs = [torch.softmax(filter_logits(logits[row], params[row].temperature, params[row].top_k, params[row].top_p,
-                                         params[row].min_p), dim=-1) for row in sampled]
-    if probs and logits.device.type != "cpu":
-        # The draws use CPU generators (a seed gives the same tokens on any device): the sampled rows'
-        # probabilities come over in one copy, not one per row (each copy from a GPU waits for it).
-        probs = torch.stack(probs).cpu()
-    for row, row_probs in zip(sampled, probs):
-        tokens[row] = int(torch.multinomial(row_probs, 1, generator=generators[row]))
+    if not sampled:
+        return tokens
+    probs = torch.stack([torch.softmax(filter_logits(logits[row], params[row].temperature, params[row].top_k,
+                                                     params[row].top_p, params[row].min_p), dim=-1) for row in sampled])
+    # The draws use CPU generators (a seed gives the same tokens on any device): the sampled rows'
+    # probabilities come over in one copy (each copy from a GPU waits for it).
+    drawn = sample_from(probs.cpu(), [generators[row] for row in sampled])
+    for row, token in zip(sampled, drawn):
+        tokens[row] = token
     return tokens

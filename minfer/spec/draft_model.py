@@ -25,6 +25,7 @@ import weakref
 import torch
 
 from minfer.kv_cache import KVCache
+from minfer.layers.sampler import sample_from
 from minfer.models.llama import LlamaModel
 from minfer.sequence import Sequence
 from minfer.spec.proposer import Proposal, Proposer
@@ -64,7 +65,7 @@ class DraftModelProposer(Proposer):
                 token = int(logits.argmax())
             else:
                 q = processed_probs(logits[None], seq.params)[0].cpu()
-                token = int(torch.multinomial(q, 1, generator=seq.generator))
+                token = sample_from(q[None], [seq.generator])[0]
                 probs.append(q)
             drafts.append(token)
             feed = [token]  # the last draft is never fed: its KV is only needed once it is accepted

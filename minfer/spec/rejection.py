@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from minfer.layers.sampler import filter_logits
+from minfer.layers.sampler import filter_logits, sample_from
 from minfer.sampling_params import SamplingParams
 
 
@@ -49,9 +49,8 @@ def rejection_sample(draft_tokens: list[int], draft_probs: Optional[torch.Tensor
         residual = (p - q).clamp(min=0)
         if residual.sum() <= 0:  # p == q up to rounding: the rejection had probability ~0; p is the right law
             residual = p
-        return draft_tokens[:i] + [int(torch.multinomial(residual, 1, generator=generator))]
-    bonus = int(torch.multinomial(target_probs[len(draft_tokens)], 1, generator=generator))
-    return list(draft_tokens) + [bonus]
+        return draft_tokens[:i] + sample_from(residual[None], [generator])
+    return list(draft_tokens) + sample_from(target_probs[len(draft_tokens)][None], [generator])
 
 
 def greedy_verify(draft_tokens: list[int], target_logits: torch.Tensor) -> list[int]:

@@ -1,0 +1,52 @@
+"""The text of a growing sequence of tokens, decoding a few tokens per step instead of all of them.
+
+Decoding the whole output again after every token costs time in proportion to its length, so
+a sequence of n tokens spends time in proportion to n^2 on its text: at 4,096 tokens that is
+1.5 ms a step for each sequence, more than a whole decode step of a small model on a GPU.
+Decoding only the newest tokens keeps the cost per token flat. Two things make it less simple
+than decoding the new token alone:
+
+- a token's text can depend on the one before it: SentencePiece tokenizers drop the leading
+  space of the first token they decode, so the new token is decoded after the last committed
+  one, and only the text beyond that one's is new;
+- a character's UTF-8 bytes can be split over several tokens (byte-level BPE): until the last
+  byte arrives the window decodes to U+FFFD, so nothing is committed until it decodes cleanly.
+
+Both follow the incremental detokenization of vLLM and Hugging Face's TextStreamer.
+"""
+from __future__ import annotations
+
+REPLACEMENT_CHARACTER = "\ufffd"  # what an incomplete UTF-8 sequence decodes to
+
+
+class IncrementalDetokenizer:
+    """`text` is `tokenizer.decode(token_ids)` of every token appended so far, except that a
+    character whose bytes have not all arrived yet is held back; `flush()` gives the full decode."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.prefix_offset = 0  # the window decoded each step starts here: one committed token of context
+        self.read_offset = 0  # tokens before this are in `text`
+        self.prefix_text = ""  # the text of token_ids[prefix_offset:read_offset], inside the window
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def append(self, token: int) -> str:
+        """Add one token; returns the text it committed ("" while a character's bytes are incomplete)."""
+        self.token_ids.append(token)
+        window = self._decode(self.token_ids[self.prefix_offset:])
+        if window.endswith(REPLACEMENT_CHARACTER):
+            return ""  # wait for the character's remaining bytes
+        new = window[len(self.prefix_text):]
+        self.text += new
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.prefix_text = self._decode(self.token_ids[self.prefix_offset:])
+        return new
+
+    def flush(self) -> str:
+        """The full decode: `text` with whatever is held back (U+FFFD for bytes that never completed)."""
+        window = self._decode(self.token_ids[self.prefix_offset:])
+        return self.text + window[len(self.prefix_text):]

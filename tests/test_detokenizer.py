@@ -1,0 +1,139 @@
+"""The incremental detokenizer against decoding everything again, token by token; and a sequence's text."""
+import random
+
+import pydoc_data.topics
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from minfer import SamplingParams
+from minfer.detokenizer import IncrementalDetokenizer
+from minfer.outputs import RequestMetrics
+from minfer.sequence import Sequence
+
+TEXT = ("\n".join(list(pydoc_data.topics.topics.values())[:3])
+        + " héllo 世界 🤖🎉 naïve — “quoted” <|im_end|> after the special token")
+
+
+@pytest.fixture(scope="module")
+def metaspace_tokenizer():
+    """A small SentencePiece-style BPE (spaces as '▁', the decoder drops the first token's leading
+    space), trained here: decoding a token alone loses its space, so context matters."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    tokenizer.train_from_iterator(list(pydoc_data.topics.topics.values())[:40],
+                                  trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "</s>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="</s>")
+
+
+def check_every_step(tokenizer, ids: list[int], skip_special_tokens: bool) -> None:
+    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+    for i, token in enumerate(ids):
+        committed = detokenizer.text
+        new = detokenizer.append(token)
+        full = tokenizer.decode(ids[:i + 1], skip_special_tokens=skip_special_tokens)
+        assert detokenizer.text == committed + new
+        assert detokenizer.flush() == full, f"token {i}"
+        # what is shown never changes later: the text so far is the full decode, less an incomplete character
+        assert detokenizer.text == (full.rstrip("\ufffd") if full.endswith("\ufffd") else full)[:len(detokenizer.text)]
+        if not full.endswith("\ufffd"):
+            assert detokenizer.text == full
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_real_text_and_random_ids_as_decoding_everything_again(llm, skip_special_tokens):
+    tokenizer = llm.tokenizer
+    rng = random.Random(0)
+    random_ids = [rng.randrange(len(tokenizer)) for _ in range(600)]  # bytes split over tokens, at random
+    for ids in (tokenizer.encode(TEXT)[-600:], random_ids):
+        check_every_step(tokenizer, ids, skip_special_tokens)
+
+
+def test_multibyte_characters_wait_for_their_last_byte(llm):
+    tokenizer = llm.tokenizer
+    ids = tokenizer.encode("🤖")
+    assert len(ids) > 1  # one character in several byte-level tokens
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    assert [detokenizer.append(t) for t in ids] == [""] * (len(ids) - 1) + ["🤖"]
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    detokenizer.append(ids[0])
+    assert detokenizer.text == "" and detokenizer.flush() == tokenizer.decode(ids[:1]) == "\ufffd"
+
+
+def test_sentencepiece_spaces_need_the_token_before(metaspace_tokenizer):
+    ids = metaspace_tokenizer.encode("the value of the expression is returned to the caller")
+    one_by_one = "".join(metaspace_tokenizer.decode([t]) for t in ids)
+    assert one_by_one != metaspace_tokenizer.decode(ids)  # the spaces are lost without context
+    check_every_step(metaspace_tokenizer, ids, skip_special_tokens=True)
+    check_every_step(metaspace_tokenizer, metaspace_tokenizer.encode(TEXT[:3000]), skip_special_tokens=False)
+
+
+def test_each_token_decodes_a_few_tokens_not_the_whole_output(llm):
+    # decoding everything again reads n(n+1)/2 token ids for n tokens; the windows read a few per token
+    decoded = []
+    tokenizer = llm.tokenizer
+
+    class Counting:
+        def decode(self, ids, **kwargs):
+            decoded.append(len(ids))
+            return tokenizer.decode(ids, **kwargs)
+
+    ids = tokenizer.encode(TEXT)[:2000]
+    detokenizer = IncrementalDetokenizer(Counting())
+    for token in ids:
+        detokenizer.append(token)
+    assert detokenizer.flush() == tokenizer.decode(ids, skip_special_tokens=True)
+    assert max(decoded) <= 8 and sum(decoded) < 6 * len(ids)
+
+
+def sequence(tokenizer, **params) -> Sequence:
+    p = SamplingParams(**params)
+    return Sequence([1, 2, 3], p, p.max_tokens, torch.Generator(), RequestMetrics(0.0, num_prompt_tokens=3))
+
+
+def feed(seq: Sequence, ids: list[int], tokenizer) -> None:
+    for token in ids:
+        seq.append(token, tokenizer, {tokenizer.eos_token_id})
+        if seq.finished:
+            return
+
+
+def test_a_sequence_stops_at_a_stop_string_split_over_tokens(llm):
+    tokenizer = llm.tokenizer
+    ids = tokenizer.encode("The answer is forty-two. The end of it.")
+    for include in (False, True):
+        seq = sequence(tokenizer, max_tokens=100, stop=["forty-two."], include_stop_str_in_output=include)
+        feed(seq, ids, tokenizer)
+        assert seq.finish_reason == "stop" and seq.stop_reason == "forty-two."
+        assert seq.text == ("The answer is forty-two." if include else "The answer is ")
+
+
+def test_the_stop_token_is_in_the_ids_but_not_in_the_text(llm):
+    tokenizer = llm.tokenizer
+    ids = tokenizer.encode("Hello there")
+    stop = tokenizer.encode(" world")[0]
+    for include, text in ((False, "Hello there"), (True, "Hello there world")):
+        seq = sequence(tokenizer, max_tokens=100, stop_token_ids=[stop], include_stop_str_in_output=include)
+        feed(seq, ids + [stop], tokenizer)
+        assert seq.output_ids == ids + [stop] and seq.text == text and seq.stop_reason == stop
+
+
+def test_a_sequence_ended_by_length_shows_the_full_decode(llm):
+    tokenizer = llm.tokenizer
+    ids = tokenizer.encode("ok 🤖")
+    seq = sequence(tokenizer, max_tokens=len(ids) - 1)  # ends inside the emoji's bytes
+    feed(seq, ids, tokenizer)
+    assert seq.finish_reason == "length" and seq.text == tokenizer.decode(ids[:-1]) and seq.text.endswith("\ufffd")
+
+
+def test_token_ids_between_is_a_slice_of_tokens_and_drafts(llm):
+    seq = sequence(llm.tokenizer, max_tokens=100)
+    seq.output_ids += [10, 11, 12]
+    seq.spec_token_ids = [20, 21]
+    known = seq.token_ids + seq.spec_token_ids
+    assert seq.num_tokens == len(seq.token_ids) == 6
+    for start in range(len(known) + 1):
+        for stop in range(start, len(known) + 2):
+            assert seq.token_ids_between(start, stop) == known[start:stop]
