@@ -146,7 +146,7 @@ def main() -> None:
     markdown = f"`{command}` ({info['cpu']}, {info['cpu_capability']}, one thread)\n\n{table}"
     print(markdown)
     if args.update_docs:
-        write_docs_section(markdown, DOCS_PAGE, START, END, "Engine work per step over long outputs")
+        write_docs_section(markdown, DOCS_PAGE, START, END, "## Engine work per step over long outputs")
 
 
 if __name__ == "__main__":
