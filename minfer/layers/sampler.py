@@ -33,10 +33,11 @@ def sample_from(weights: torch.Tensor, generators: Sequence[Optional[torch.Gener
     the CPU), row i drawn with generators[i].
 
     Inverse transform sampling: one uniform number per row, looked up in the row's running sum.
-    torch.multinomial costs as much as drawing a random number for every token of the vocabulary
-    (1.3 ms a row for SmolLM2's 49,152 tokens on one CPU core, more than a decode step of a small
-    model); this costs a cumulative sum, 0.07 ms (benchmarks/bench_step_overhead.py). In float32,
-    a token's probability is off by at most half a rounding step of the running sum (3e-8)."""
+    torch.multinomial costs as much as drawing a random number for every token of the vocabulary:
+    1.3 ms a row for SmolLM2's 49,152 tokens on one CPU core, about what a whole decode step of a
+    small model takes on a GPU. This costs a cumulative sum, 0.07 ms a row
+    (benchmarks/bench_step_overhead.py). In float32, a token's probability is off by at most half
+    a rounding step of the running sum (3e-8)."""
     cdf = weights.float().cumsum(dim=-1)
     total = cdf[:, -1:].contiguous()
     uniforms = torch.cat([torch.rand(1, generator=g) for g in generators])
