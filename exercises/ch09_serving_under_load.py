@@ -77,7 +77,8 @@ def stream_completion_chunks(queue: asyncio.Queue, request_id: str, model: str,
     One catch: a character whose UTF-8 bytes are split over two tokens decodes as "\\ufffd" (the
     replacement character) until its last byte arrives, and then the text so far changes. So in an
     unfinished output, trailing "\\ufffd" characters are held back (not sent yet); the finished
-    output's text is sent as it is.
+    output's text is sent as it is. (minfer's engine holds such a character back itself,
+    minfer/detokenizer.py; a handler should not count on every engine doing so.)
 
     Write it as an async generator: change `def` to `async def`, await `queue.get()` and `yield`
     each event. (The stub is a plain function only so that calling it raises at once.)

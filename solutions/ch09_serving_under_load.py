@@ -104,7 +104,8 @@ async def stream_completion_chunks(queue: asyncio.Queue, request_id: str, model:
     One catch: a character whose UTF-8 bytes are split over two tokens decodes as "\\ufffd" (the
     replacement character) until its last byte arrives, and then the text so far changes. So in an
     unfinished output, trailing "\\ufffd" characters are held back (not sent yet); the finished
-    output's text is sent as it is.
+    output's text is sent as it is. (minfer's engine holds such a character back itself,
+    minfer/detokenizer.py; a handler should not count on every engine doing so.)
 
     An async generator: it awaits `queue.get()`, so the event loop serves other requests while
     this one waits for its next token.

@@ -120,6 +120,19 @@ def test_the_stop_token_is_in_the_ids_but_not_in_the_text(llm):
         assert seq.output_ids == ids + [stop] and seq.text == text and seq.stop_reason == stop
 
 
+def test_a_sequence_never_shows_half_a_character(llm):
+    # the server streams a sequence's text as it grows (minfer.serving.protocol): nothing shown may change later
+    tokenizer = llm.tokenizer
+    ids = tokenizer.encode("🤖 and 世界, café")
+    seq = sequence(tokenizer, max_tokens=100)
+    shown = []
+    for token in ids:
+        seq.append(token, tokenizer, set())
+        shown.append(seq.text)
+    assert all(later.startswith(earlier) for earlier, later in zip(shown, shown[1:]))
+    assert "\ufffd" not in "".join(shown) and shown[-1] == tokenizer.decode(ids)
+
+
 def test_a_sequence_ended_by_length_shows_the_full_decode(llm):
     tokenizer = llm.tokenizer
     ids = tokenizer.encode("ok 🤖")

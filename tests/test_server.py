@@ -289,4 +289,3 @@ def test_streamable_text_holds_back_what_may_change():
     assert streamable_text("Hello\n", False, ["\n\n"]) == "Hello"  # may become the stop string
     assert streamable_text("Hello\n", True, ["\n\n"]) == "Hello\n"  # finished: all of it
     assert streamable_text("ab END", False, "ENDING") == "ab "
-    assert streamable_text("caf\ufffd", False, None) == "caf"  # half a UTF-8 character

@@ -176,13 +176,12 @@ def chat_logprobs(entries: list[dict[int, Logprob]], top_n: int) -> dict:
 def streamable_text(text: str, finished: bool, stop: Optional[Union[str, list[str]]]) -> str:
     """The part of a completion's text so far that can be sent and never taken back.
 
-    Two things can still change the end of an unfinished text: a character whose UTF-8 bytes
-    are split over tokens decodes as U+FFFD until its last byte arrives, and text that could be
-    the start of a stop string is cut off if the stop string completes (it must never have
-    been streamed). Both are held back until the next token settles them."""
+    Text that could be the start of a stop string is cut off if the stop string completes (it
+    must never have been streamed), so it is held back until the next token settles it. (The
+    other thing that could change, a character whose UTF-8 bytes are split over tokens, never
+    shows: the engine's detokenizer holds it back itself, `minfer.detokenizer`.)"""
     if finished:
         return text
-    text = text.rstrip("\ufffd")
     stops = [stop] if isinstance(stop, str) else (stop or [])
     held = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
     return text[:len(text) - held]

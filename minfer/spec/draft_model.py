@@ -52,8 +52,11 @@ class DraftModelProposer(Proposer):
             self.state[seq] = (KVCache(self.model.config, 1, max_len, weight.dtype, weight.device), [])
         cache, held = self.state[seq]
         tokens = seq.token_ids
-        common = 0
         limit = min(len(held), len(tokens) - 1)  # feed at least one token: we need its logits
+        # the draft's cache and the sequence differ at most in the last few tokens (rejected drafts):
+        # compare the rest in one go (in C), and walk token by token only over the end
+        walk_from = max(0, limit - 16)
+        common = walk_from if held[:walk_from] == tokens[:walk_from] else 0
         while common < limit and held[common] == tokens[common]:
             common += 1
         cache.length = common  # roll back: what lies beyond will be overwritten
