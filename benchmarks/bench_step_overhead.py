@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from minfer import LLM, SamplingParams
-from minfer.bench.common import machine_info, write_docs_section
+from minfer.bench.common import best_time, machine_info, write_docs_section
 from minfer.detokenizer import IncrementalDetokenizer
 from minfer.layers.sampler import sample_from
 from minfer.testing import tiny_hf_checkpoint
@@ -67,36 +67,29 @@ def text_cost_per_token(tokenizer, ids: list[int], lengths: list[int], repeats: 
     """(length, seconds to decode ids[:length] whole, seconds per token of the incremental detokenizer)."""
     rows = []
     for length in lengths:
-        whole = min(_time(lambda: tokenizer.decode(ids[:length], skip_special_tokens=True)) for _ in range(repeats))
+        whole = best_time(lambda: tokenizer.decode(ids[:length], skip_special_tokens=True), repeats)
 
         def incremental():
             detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
             for token in ids[:length]:
                 detokenizer.append(token)
-        rows.append((length, whole, min(_time(incremental) for _ in range(repeats)) / length))
+        rows.append((length, whole, best_time(incremental, repeats) / length))
     return rows
 
 
 def sampling_costs(llm: LLM, batch: int = 8, repeats: int = 20) -> tuple[float, float, float]:
     """(seconds to draw `batch` tokens with torch.multinomial row by row, with sample_from, and one
-    greedy decode step of the model at that batch size), each the best of `repeats`."""
+    greedy decode step of the model at that batch size); the draws the best of `repeats`, the step one run."""
     probs = torch.softmax(torch.randn(batch, llm.model.config.vocab_size, generator=torch.Generator().manual_seed(0)), -1)
     generators = [torch.Generator().manual_seed(i) for i in range(batch)]
-    multinomial = min(_time(lambda: [torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
-                      for _ in range(repeats))
-    inverse = min(_time(lambda: sample_from(probs, generators)) for _ in range(repeats))
+    multinomial = best_time(lambda: [torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)], repeats)
+    inverse = best_time(lambda: sample_from(probs, generators), repeats)
     params = SamplingParams(max_tokens=33, temperature=0, ignore_eos=True)
     prompts = [f"Item {i}: the first thing to know about Python is" for i in range(batch)]
     llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)  # warm up
     steps_before = llm.engine.stats.steps
-    seconds = _time(lambda: llm.generate(prompts, params, use_tqdm=False))
+    seconds = best_time(lambda: llm.generate(prompts, params, use_tqdm=False), repeats=1)
     return multinomial, inverse, seconds / (llm.engine.stats.steps - steps_before)
-
-
-def _time(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def report(overheads: list[float], text_rows, sampling, batch: int, tokens: int) -> str:

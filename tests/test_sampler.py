@@ -1,9 +1,8 @@
 """The sampler's filters against their definitions, on hand-made distributions; the draw itself."""
-import time
-
 import torch
 
 from minfer import SamplingParams
+from minfer.bench.common import best_time
 from minfer.layers.sampler import filter_logits, sample_from, sample_next_tokens
 
 PROBS = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
@@ -82,14 +81,6 @@ def test_sample_from_draws_each_row_with_its_own_generator():
 def test_sample_from_is_much_cheaper_than_multinomial_on_a_real_vocabulary():
     probs = torch.softmax(torch.randn(1, 49152), dim=-1)  # SmolLM2's vocabulary
     gen = torch.Generator().manual_seed(0)
-
-    def best(fn) -> float:
-        times = []
-        for _ in range(20):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    ratio = best(lambda: sample_from(probs, [gen])) / best(lambda: torch.multinomial(probs[0], 1, generator=gen))
+    ratio = (best_time(lambda: sample_from(probs, [gen]), repeats=20)
+             / best_time(lambda: torch.multinomial(probs[0], 1, generator=gen), repeats=20))
     assert ratio < 1 / 3, f"sample_from took {ratio:.2f}x multinomial's time (measured 0.05x)"
