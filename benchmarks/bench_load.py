@@ -1,9 +1,10 @@
-"""What loading a GGUF model costs: its header, its tokenizer with and without the cache, the whole `LLM(model)`.
+"""What loading a GGUF model costs: its header, its weights' decoding, its tokenizer with and without the cache,
+the whole `LLM(model)`.
 
     python benchmarks/bench_load.py [--model smollm2-135m] [--repeats 3]
 
 Each repeat reads the file's header with the gguf package's reader and with minfer's (minfer.formats.gguf_file),
-then gets a fresh, empty cache folder (MINFER_CACHE): the tokenizer converted from the file, then read back
+decodes every tensor to float32 with the package's `gguf.quants.dequantize` and with minfer's `dequantize`, then gets a fresh, empty cache folder (MINFER_CACHE): the tokenizer converted from the file, then read back
 from the cache; `LLM(model)` with the cache empty, then filled; then a `max_model_len` the model cannot take,
 which fails once the config is read. All in one process, one thread, side by side; best of the repeats.
 """
@@ -18,7 +19,7 @@ import time
 import gguf
 import torch
 from minfer import LLM
-from minfer.formats.gguf_file import read_gguf_file
+from minfer.formats.gguf_file import dequantize, read_gguf_file
 from minfer.models.loader import gguf_tokenizer, resolve_model_path
 
 
@@ -46,11 +47,14 @@ def main() -> None:
     if not path.endswith(".gguf"):
         parser.error(f"--model must be a GGUF model (its tokenizer is what gets cached), got {path}")
     gguf_tokenizer(path)  # imports transformers' tokenizer code once, outside the timings
-    names = ("gguf reader", "minfer reader", "converted", "cached", "LLM cold", "LLM warm", "refused")
+    tensors = list(read_gguf_file(path).tensors.values())
+    names = ("gguf reader", "minfer reader", "gguf dequantize", "minfer dequantize", "converted", "cached", "LLM cold", "LLM warm", "refused")
     times: dict[str, list[float]] = {k: [] for k in names}
     for _ in range(args.repeats):
         times["gguf reader"].append(seconds(lambda: gguf.GGUFReader(path)))
         times["minfer reader"].append(seconds(lambda: read_gguf_file(path)))
+        times["gguf dequantize"].append(seconds(lambda: [gguf.quants.dequantize(t.data, t.type) for t in tensors]))
+        times["minfer dequantize"].append(seconds(lambda: [dequantize(t) for t in tensors]))
         for first, second, fn in (("converted", "cached", lambda: gguf_tokenizer(path)),
                                   ("LLM cold", "LLM warm", lambda: LLM(args.model, dtype="float32"))):
             folder = tempfile.mkdtemp(prefix="minfer_cache_")
@@ -63,6 +67,9 @@ def main() -> None:
     print(f"{args.model}, one thread, best of {args.repeats}\n\n| | s |\n|---|---:|")
     print(f"| the file's header and tensor table, `gguf.GGUFReader` | {best['gguf reader']:.2f} |")
     print(f"| the same, `minfer.formats.gguf_file.read_gguf_file` | {best['minfer reader']:.3f} |")
+    print(f"| every tensor decoded to float32, `gguf.quants.dequantize` | {best['gguf dequantize']:.2f} |")
+    print(f"| the same, `minfer.formats.gguf_file.dequantize` | {best['minfer dequantize']:.2f} "
+          f"({best['minfer dequantize'] / best['gguf dequantize']:.2f}x) |")
     print(f"| the tokenizer converted from the file | {best['converted']:.2f} |")
     print(f"| the same tokenizer read from the cache | {best['cached']:.2f} |")
     print(f"| `LLM(\"{args.model}\")`, empty cache | {best['LLM cold']:.2f} |")

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from minfer.config import ModelConfig
-from minfer.formats.gguf_file import read_gguf_file
+from minfer.formats.gguf_file import dequantize, read_gguf_file
 
 # Short names for models that ship inside an installed package (no network at run time).
 KNOWN_MODELS = {
@@ -145,8 +145,6 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def load_gguf(path: str, dtype: torch.dtype = torch.float32,
               check_config: Optional[Callable[[ModelConfig], None]] = None) -> LoadedModel:
-    import gguf
-
     file = read_gguf_file(path)
     meta = file.metadata
     arch = meta.get("general.architecture")
@@ -180,12 +178,12 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32,
         check_config(config)
     weights: dict[str, torch.Tensor] = {}
     for name, tensor in file.tensors.items():
-        array = gguf.quants.dequantize(tensor.data, tensor.type).reshape(tensor.shape)
+        array = dequantize(tensor)
         if name.startswith("blk.") and ".attn_q." in name:
             array = unpermute_qk(array, n_heads)
         elif name.startswith("blk.") and ".attn_k." in name:
             array = unpermute_qk(array, n_kv)
-        weights[gguf_name_to_hf(name)] = torch.from_numpy(np.array(array, copy=True)).to(dtype)
+        weights[gguf_name_to_hf(name)] = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
     return LoadedModel(config, weights, gguf_tokenizer(path), path)
 
 

@@ -22,11 +22,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from minfer.formats.gguf_file import GGUFTensor, read_gguf_file
+from minfer.formats.gguf_file import Q4_1_BLOCK_BYTES, Q4_1_GROUP, GGUFTensor, q4_1_fields, read_gguf_file
 from minfer.formats.weights import quantize_int4_groupwise
 
-Q4_1_GROUP = 32
-Q4_1_BLOCK_BYTES = 20
 
 
 def _tensor(path: str, name: str) -> GGUFTensor:
@@ -46,12 +44,7 @@ def read_q4_1(path: str, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.T
     The tensor's rows are the weight's output rows, in the file's order (llama.cpp permutes the
     rows of q and k for its RoPE layout; nothing else).
     """
-    raw = np.asarray(_tensor(path, name).data)  # [rows, blocks * 20] uint8
-    blocks = raw.reshape(raw.shape[0], -1, Q4_1_BLOCK_BYTES)
-    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
-    m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
-    qs = blocks[..., 4:]
-    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(raw.shape[0], -1)  # low nibbles, then high
+    q, d, m = q4_1_fields(np.asarray(_tensor(path, name).data))  # from [rows, blocks * 20] uint8
     return torch.from_numpy(q.copy()), torch.from_numpy(d.copy()), torch.from_numpy(m.copy())
 
 
