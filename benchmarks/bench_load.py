@@ -4,7 +4,8 @@ the whole `LLM(model)`.
     python benchmarks/bench_load.py [--model smollm2-135m] [--repeats 3]
 
 Each repeat reads the file's header with the gguf package's reader and with minfer's (minfer.formats.gguf_file),
-decodes every tensor to float32 with the package's `gguf.quants.dequantize` and with minfer's `dequantize`, then gets a fresh, empty cache folder (MINFER_CACHE): the tokenizer converted from the file, then read back
+decodes every tensor to float32 with the package's `gguf.quants.dequantize` and with minfer's `dequantize`,
+then gets a fresh, empty cache folder (MINFER_CACHE): the tokenizer converted from the file, then read back
 from the cache; `LLM(model)` with the cache empty, then filled; then a `max_model_len` the model cannot take,
 which fails once the config is read. All in one process, one thread, side by side; best of the repeats.
 """
