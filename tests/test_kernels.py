@@ -318,7 +318,7 @@ def test_benchmark_says_it_needs_cuda(capsys, monkeypatch):
 
 @pytest.mark.skipif(INTERPRETER_READY, reason="the kernel tests ran in this process")
 def test_kernels_in_a_fresh_process():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}  # no plugin needed: 4 s less
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", __file__], env=env, capture_output=True, text=True,
                             cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
