@@ -69,7 +69,7 @@ def run_tests(paths: list[str], impl: str, timeout: float = 600) -> list[TestRes
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths,
                f"--impl={impl}", f"--junitxml={report}", "-o", "junit_family=xunit1"]  # xunit1 keeps record_property
         # The chapter tests need no pytest plugin; loading every installed one (nbval, hypothesis, ...) took 4 s of
-        # each check's 6 (SmolLM2's chapter 05: 6.1 s -> 2.3 s).
+        # each check's 6 (chapter 05's: 6.1 s -> 2.3 s).
         env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
         proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, env=env)
         if not os.path.exists(report):

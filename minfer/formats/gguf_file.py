@@ -30,7 +30,7 @@ import numpy as np
 GGUF_MAGIC = b"GGUF"
 F32, F16, Q4_1, Q8_0 = 0, 1, 3, 8  # the ggml type numbers decoded here (gguf.GGMLQuantizationType)
 Q4_1_GROUP, Q4_1_BLOCK_BYTES = 32, 20  # d (f16), m (f16), 16 bytes of nibbles
-Q8_0_GROUP, Q8_0_BLOCK_BYTES = 32, 34  # d (f16), 32 int8 codes
+Q8_0_BLOCK_BYTES = 34  # d (f16), 32 int8 codes
 GGUF_VERSIONS = (2, 3)  # version 1 (2023) had 32-bit lengths; llama.cpp has written 3 since
 DEFAULT_ALIGNMENT = 32
 STRING, ARRAY = 8, 9  # value types; the others are the fixed-size scalars below

@@ -26,7 +26,6 @@ from minfer.formats.gguf_file import Q4_1_BLOCK_BYTES, Q4_1_GROUP, GGUFTensor, q
 from minfer.formats.weights import quantize_int4_groupwise
 
 
-
 def _tensor(path: str, name: str) -> GGUFTensor:
     from gguf import GGMLQuantizationType
 
