@@ -49,7 +49,8 @@ def main() -> None:
         parser.error(f"--model must be a GGUF model (its tokenizer is what gets cached), got {path}")
     gguf_tokenizer(path)  # imports transformers' tokenizer code once, outside the timings
     tensors = list(read_gguf_file(path).tensors.values())
-    names = ("gguf reader", "minfer reader", "gguf dequantize", "minfer dequantize", "converted", "cached", "LLM cold", "LLM warm", "refused")
+    names = ("gguf reader", "minfer reader", "gguf dequantize", "minfer dequantize", "converted", "cached",
+             "LLM cold", "LLM warm", "refused")
     times: dict[str, list[float]] = {k: [] for k in names}
     for _ in range(args.repeats):
         times["gguf reader"].append(seconds(lambda: gguf.GGUFReader(path)))
