@@ -14,7 +14,7 @@ This script compiles instead, for GPUs that are not here:
 runs Triton's whole pipeline (Triton IR, GPU IR, LLVM IR, PTX) and ends with the ``ptxas`` that
 ships inside the triton wheel, which writes a cubin: no driver, no GPU. From each kernel it
 reports the shared memory its launch would request (``metadata.shared``, what Triton compares
-with the device's limit before a launch) and, from ``ptxas -v`` on its PTX, its registers per
+with the device's limit before a launch) and, from the report of ``ptxas -v``, its registers per
 thread and the bytes it spills to local memory when registers run out. Limits checked: shared
 memory per block at most 163 KiB on sm_80 (A100) and 227 KiB on sm_90 (H100, H200); at most 255
 registers per thread; and no spills (not an error on a GPU, but slow: a problem all the same).
@@ -39,6 +39,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
+import io  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
@@ -66,6 +67,8 @@ from minfer.kernels import fused_moe, paged_cache, paged_decode_attention, paged
 # Triton 3.9 warns once per process that its fp-fusion default will change; the kernels compile
 # with the current default, as they would on a GPU.
 warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+# Triton's ptxas step runs with -v; this makes it print the report (registers, spills) instead of dropping it.
+triton.knobs.nvidia.dump_ptxas_log = True
 
 ARCHS = {80: "sm_80 (A100)", 90: "sm_90 (H100, H200)"}
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # bytes of shared memory one block may opt in to
@@ -257,22 +260,30 @@ def compile_launch(kernel, args: tuple, kwargs: dict, capability: int):
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options)
 
 
-def ptxas_resources(ptx: str, capability: int) -> dict:
-    """Registers per thread, stack frame and spilled bytes of a kernel, from ``ptxas -v`` on its PTX.
+def compile_with_report(kernel, args: tuple, kwargs: dict, capability: int) -> tuple:
+    """``compile_launch``, and the report of the ``ptxas -v`` that Triton runs as its last step: it
+    prints it with ``knobs.nvidia.dump_ptxas_log`` set. Empty when the kernel came from Triton's cache."""
+    report = io.StringIO()
+    with contextlib.redirect_stdout(report):
+        compiled = compile_launch(kernel, args, kwargs, capability)
+    return compiled, report.getvalue()
 
-    The same ptxas and flags Triton's own last step uses (it runs -v too, but keeps the report to
-    itself, and a kernel found in Triton's cache is not assembled again); about 0.1 s a kernel.
-    """
+
+def ptxas_resources(ptx: str, capability: int, report: str = "") -> dict:
+    """Registers per thread, stack frame and spilled bytes of a kernel, from a ``ptxas -v`` report on
+    its PTX: the one given, else from running ptxas with the flags Triton's last step uses (0.1 s)."""
     arch = sm_arch_from_capability(capability)  # sm_80, sm_90a
-    with tempfile.TemporaryDirectory() as folder:
-        source = Path(folder) / "kernel.ptx"
-        source.write_text(ptx)
-        done = subprocess.run([get_ptxas(capability).path, "-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name={arch}",
-                               str(source), "-o", str(Path(folder) / "kernel.cubin")], capture_output=True, text=True)
-    report = done.stdout + done.stderr
+    if "registers" not in report:
+        with tempfile.TemporaryDirectory() as folder:
+            source = Path(folder) / "kernel.ptx"
+            source.write_text(ptx)
+            done = subprocess.run([get_ptxas(capability).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
+                                   f"--gpu-name={arch}", str(source), "-o", str(Path(folder) / "kernel.cubin")],
+                                  capture_output=True, text=True)
+        report = done.stdout + done.stderr if done.returncode == 0 else ""
     registers = re.search(r"Used (\d+) registers", report)
     frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    if done.returncode or registers is None or frame is None:
+    if registers is None or frame is None:
         raise RuntimeError(f"ptxas -v for {arch} failed or said something unexpected:\n{report[-2000:]}")
     return dict(registers=int(registers.group(1)), stack=int(frame.group(1)), spill_stores=int(frame.group(2)),
                 spill_loads=int(frame.group(3)))
@@ -290,10 +301,11 @@ def problems(row: dict) -> list[str]:
     return found
 
 
-def compiled_resources(compiled, capability: int) -> dict:
+def compiled_resources(compiled, capability: int, ptxas_report: str = "") -> dict:
     """The resource row of a compiled kernel, its problems included."""
     row = dict(arch=capability, shared=compiled.metadata.shared, num_warps=compiled.metadata.num_warps,
-               num_stages=compiled.metadata.num_stages, **ptxas_resources(compiled.asm["ptx"], capability))
+               num_stages=compiled.metadata.num_stages,
+               **ptxas_resources(compiled.asm["ptx"], capability, ptxas_report))
     row["problems"] = problems(row)
     return row
 
@@ -305,7 +317,8 @@ def compile_variant(variant: Variant, capability: int) -> dict:
     try:
         kernel, args, kwargs = record_launch(variant)
         row["constexprs"] = {k: v for k, v in kwargs.items() if k in kernel.arg_names}
-        row.update(compiled_resources(compile_launch(kernel, args, kwargs, capability), capability))
+        compiled, report = compile_with_report(kernel, args, kwargs, capability)
+        row.update(compiled_resources(compiled, capability, report))
     except Exception as error:  # noqa: BLE001 -- the table says which variant failed and why
         row["error"] = f"{type(error).__name__}: {error}"[-2000:]
     row["seconds"] = round(time.perf_counter() - start, 2)
