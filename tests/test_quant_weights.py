@@ -20,7 +20,8 @@ from minfer.models.loader import resolve_model_path
 from minfer.quant import linear_weight_bytes, model_weight_bytes, quantize_model
 from minfer.quant.gguf_q4_1 import q4_1_block, read_q4_1, requantize_agreement
 from minfer.quant.linear import Int4Linear, Int8Linear, allowed_group_sizes
-from minfer.quant.torch_ops import dequantize_int4_cpu, int4_mm_cpu, int8_mm_cpu, pack_int4_for_cpu
+from minfer.quant.torch_ops import (INT8_DENSE_FROM_ROWS, dequantize_int4_cpu, int4_mm_cpu, int8_mm_cpu,
+                                    pack_int4_for_cpu)
 from minfer.formats.weights import (dequantize_int4, dequantize_int8, pack_int4, quantize_int4_groupwise,
                                   quantize_int8_per_channel, unpack_int4)
 from minfer.testing import random_checkpoint
@@ -95,6 +96,24 @@ def test_cpu_int8_kernel_matches_reference(dtype):
     out = int8_mm_cpu(x, q, scale)
     assert relative_error(out, expected) < 1e-2  # the kernel runs on bfloat16 activations
     assert out.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_int8_goes_dense_from_enough_rows(dtype):
+    """Below INT8_DENSE_FROM_ROWS rows the kernel (bfloat16 activations); from there on the dequantized
+    matrix in a float32 matmul, as exact as the float32 reference."""
+    w = weights()
+    q, scale = quantize_int8_per_channel(w)
+    half = INT8_DENSE_FROM_ROWS // 2  # [2, half - 1, K] is two rows short of the threshold, [2, half, K] at it
+    few, many = (torch.randn(2, rows, 256).to(dtype) for rows in (half - 1, half))
+    for x, dense in [(few, False), (many, True)]:
+        out = int8_mm_cpu(x, q, scale)
+        assert out.shape == (2, x.shape[1], 48) and out.dtype == dtype
+        error = relative_error(out.float(), int8_matmul_reference(x.float(), q, scale))
+        if dtype == torch.float32:
+            assert (error < 1e-6) == dense, (x.shape, error)  # the kernel's bfloat16 activations err ~1e-3
+        else:
+            assert error < 1e-2
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])

@@ -5,13 +5,19 @@ PyTorch ships two weight-only kernels for CPUs (the ones torchao and gpt-fast ca
     torch.ops.aten._weight_int8pack_mm(x [M, K], q int8 [N, K], scale [N])                  x @ (q * s).T
     torch.ops.aten._weight_int4pack_mm_for_cpu(x [M, K], w, group_size, scale_and_zero)     x @ W.T, int4
 
-What we measured (torch 2.13, x86, one thread, a 3072x576 matrix, batch 1):
-- With bfloat16 activations both are fast: each reads the small format and beats a bfloat16 or
+What we measured (torch 2.13, x86, one thread, a 3072x576 matrix):
+- At batch 1, with bfloat16 activations, both are fast: each reads the small format and beats a bfloat16 or
   float32 dense matmul, as a memory-bound decode step should.
 - With float32 activations both fall back to a generic loop about 20x slower than the dense
   float32 matmul. So a float32 model calls them with its activations cast to bfloat16, and casts
   the result back: the weights are already rounded far more coarsely than bfloat16 rounds x, and
   accumulation stays in float32 inside the kernel.
+- Their time grows in step with the rows: a tiled loop unpacks the weights again for every few
+  rows. The int8 one costs about 0.08 ms a row on that matrix, a float32 matmul about 0.05, so
+  from INT8_DENSE_FROM_ROWS rows on (prefill, large batches) it is quicker to dequantize the int8
+  matrix once and call the float32 matmul (at 512 rows: 25 ms against 43 ms;
+  `benchmarks/bench_quant_matmul_cpu.py`). The int4 kernel's layout cannot be read back cheaply
+  (``dequantize_int4_cpu``), so int4 keeps its kernel at every size.
 
 The int4 kernel wants its own layout, not ours (``minfer.formats.weights``):
 - the 4-bit values pre-tiled for its SIMD loops by ``_convert_weight_to_int4pack_for_cpu`` (from
@@ -26,16 +32,23 @@ from __future__ import annotations
 
 import torch
 
-from minfer.formats.weights import unpack_int4
+import torch.nn.functional as F
+
+from minfer.formats.weights import dequantize_int8, unpack_int4
 
 CPU_COMPUTE_DTYPE = torch.bfloat16
+INT8_DENSE_FROM_ROWS = 64  # one AVX2 core: dense takes 0.91x the kernel's time at 64 rows, 1.24x at 32
 INT4_CPU_INNER_K_TILES = 2  # the tiling torchao uses; the CPU kernel accepts 1, 2, 4 or 8
 
 
 def int8_mm_cpu(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ (q int8 [N, K] * scale [N, 1]).T with PyTorch's CPU kernel (bfloat16 activations)."""
-    x2 = x.reshape(-1, x.shape[-1]).to(CPU_COMPUTE_DTYPE).contiguous()
-    out = torch.ops.aten._weight_int8pack_mm(x2, q, scale.to(CPU_COMPUTE_DTYPE))
+    """x [..., K] @ (q int8 [N, K] * scale [N]).T: PyTorch's CPU kernel on bfloat16 activations for
+    fewer than INT8_DENSE_FROM_ROWS rows, else the dequantized matrix in a float32 matmul."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] >= INT8_DENSE_FROM_ROWS:
+        out = F.linear(x2.float(), dequantize_int8(q, scale))
+    else:
+        out = torch.ops.aten._weight_int8pack_mm(x2.to(CPU_COMPUTE_DTYPE).contiguous(), q, scale.to(CPU_COMPUTE_DTYPE))
     return out.to(x.dtype).reshape(*x.shape[:-1], q.shape[0])
 
 
