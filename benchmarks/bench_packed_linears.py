@@ -18,10 +18,11 @@ import torch
 import torch.nn.functional as F
 from minfer import LLM
 from minfer.bench.common import best_time
+from minfer.layers import linear
 from minfer.layers.linear import WIDE_FROM_ROWS, PackedLinear, bf16_autocast, packed_dtype, unpack_linears
 from minfer.spec.distill import final_hidden
 
-ROWS = (1, 4, 8, 16, 64, 256)
+ROWS = (1, 2, 3, 4, 8, 16, 64, 256)
 TOKENS = (1, 8, 32, 256)
 
 
@@ -37,13 +38,22 @@ def main() -> None:
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} thread(s); {dtype} weights are "
           f"packed as {packed_dtype(dtype)} (float32 copy from {WIDE_FROM_ROWS} rows on where that differs)\n")
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    print(f"Part 1: the model's {len(layers)} linears\n\n| rows | F.linear ms | packed ms | packed / F.linear |\n|---:|---:|---:|---:|")
+    widened = packed_dtype(dtype) not in (dtype, None)  # a float32 copy of bfloat16 weights: WIDE_FROM_ROWS applies
+    print(f"Part 1: the model's {len(layers)} linears; 'float32 copy' forces the copy at every row count (where "
+          f"there is one)\n\n| rows | F.linear ms | packed ms | packed / F.linear | float32 copy ms | copy / F.linear |\n"
+          "|---:|---:|---:|---:|---:|---:|")
     with torch.inference_mode():
         for rows in ROWS:
             inputs = {n: torch.randn(rows, n, dtype=dtype) for n in {layer.in_features for layer in layers}}
             plain_s = best_time(lambda: [F.linear(inputs[m.in_features], m.weight, m.bias) for m in layers], repeats=5)
             packed_s = best_time(lambda: [m(inputs[m.in_features]) for m in layers], repeats=5)
-            print(f"| {rows} | {plain_s * 1e3:.1f} | {packed_s * 1e3:.1f} | {packed_s / plain_s:.2f} |", flush=True)
+            copy = "| - | -"
+            if widened:
+                linear.WIDE_FROM_ROWS = 1
+                copy_s = best_time(lambda: [m(inputs[m.in_features]) for m in layers], repeats=5)
+                linear.WIDE_FROM_ROWS = WIDE_FROM_ROWS
+                copy = f"| {copy_s * 1e3:.1f} | {copy_s / plain_s:.2f}"
+            print(f"| {rows} | {plain_s * 1e3:.1f} | {packed_s * 1e3:.1f} | {packed_s / plain_s:.2f} {copy} |", flush=True)
 
         print("\nPart 2: one forward pass of T tokens\n\n| tokens | plain nn.Linear ms | packed ms | packed / plain |\n"
               "|---:|---:|---:|---:|")

@@ -13,11 +13,11 @@ it) is repacked before its next use: its version counter says so.
 
 A CPU without bfloat16 instructions (AVX2 only, e.g. AMD Zen 3) must widen each bfloat16 element
 to float32 before multiplying, and oneDNN will not pack bfloat16 there. F.linear's bfloat16 path
-then pays that widening for every row: over SmolLM2-135M's 121 linears on one Zen 3 core it took
-285 ms for 8 rows and 8.7 s for 256, against 190 ms and 1.2 s through a float32 packed copy
-(`benchmarks/bench_packed_linears.py`). So there a bfloat16 weight gets a float32 packed copy (twice
-its bytes), used from `WIDE_FROM_ROWS` rows on (batched decode, prefill). Fewer rows keep F.linear:
-it reads half the bytes, and decode at batch 1 is bound by bytes.
+then pays that widening for every row: over SmolLM2-135M's 121 linears on one AMD EPYC core it took
+73 ms for 2 rows, 143 ms for 4 and 8.9 s for 256, against 67 ms, 74 ms and 0.99 s through a float32
+packed copy (`benchmarks/bench_packed_linears.py`). So there a bfloat16 weight gets a float32 packed
+copy (twice its bytes), used from `WIDE_FROM_ROWS` rows on (batched decode, prefill). A single row
+keeps F.linear: it reads half the bytes, 40 ms against the copy's 44.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)  # float16 needs CPU features most machines lack
-WIDE_FROM_ROWS = 8  # bfloat16 without bf16 instructions: the float32 copy wins from 8 rows on (0.69x the time; 4: 1.22x)
+WIDE_FROM_ROWS = 2  # bfloat16 without bf16 instructions, one AVX2 core: the float32 copy 1.11x F.linear's time at 1 row, 0.91x at 2
 
 
 @functools.cache
