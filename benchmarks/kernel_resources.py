@@ -273,18 +273,20 @@ def ptxas_resources(ptx: str, capability: int, report: str = "") -> dict:
     """Registers per thread, stack frame and spilled bytes of a kernel, from a ``ptxas -v`` report on
     its PTX: the one given, else from running ptxas with the flags Triton's last step uses (0.1 s)."""
     arch = sm_arch_from_capability(capability)  # sm_80, sm_90a
-    if "registers" not in report:
+    if "registers" not in report:  # the kernel came from Triton's cache: assemble it again, with -v
         with tempfile.TemporaryDirectory() as folder:
             source = Path(folder) / "kernel.ptx"
             source.write_text(ptx)
             done = subprocess.run([get_ptxas(capability).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
                                    f"--gpu-name={arch}", str(source), "-o", str(Path(folder) / "kernel.cubin")],
                                   capture_output=True, text=True)
-        report = done.stdout + done.stderr if done.returncode == 0 else ""
+        report = done.stdout + done.stderr
+        if done.returncode:
+            raise RuntimeError(f"ptxas -v for {arch} failed:\n{report[-2000:]}")
     registers = re.search(r"Used (\d+) registers", report)
     frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
     if registers is None or frame is None:
-        raise RuntimeError(f"ptxas -v for {arch} failed or said something unexpected:\n{report[-2000:]}")
+        raise RuntimeError(f"ptxas -v for {arch} said something unexpected:\n{report[-2000:]}")
     return dict(registers=int(registers.group(1)), stack=int(frame.group(1)), spill_stores=int(frame.group(2)),
                 spill_loads=int(frame.group(3)))
 

@@ -31,7 +31,6 @@ as vLLM does after loading for whatever kernel it will run).
 from __future__ import annotations
 
 import torch
-
 import torch.nn.functional as F
 
 from minfer.formats.weights import dequantize_int8, unpack_int4
