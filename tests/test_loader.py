@@ -36,6 +36,13 @@ def test_default_model_shape(llm):
     assert llm.model.lm_head.weight is llm.model.embed_tokens.weight
 
 
+def test_the_hugging_face_id_names_the_packaged_model():
+    # vLLM's LLM takes the Hugging Face id: the same script runs on both, minfer from the packaged file
+    assert resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct") == resolve_model_path("smollm2-135m")
+    with pytest.raises(ValueError, match="unknown model 'HuggingFaceTB/SmolLM2-360M-Instruct'"):
+        resolve_model_path("HuggingFaceTB/SmolLM2-360M-Instruct")  # a sibling that is not installed
+
+
 def test_unknown_model_name():
     with pytest.raises(ValueError, match="unknown model 'no-such-model'.*smollm2-135m"):
         resolve_model_path("no-such-model")

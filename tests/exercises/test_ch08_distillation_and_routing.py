@@ -61,7 +61,7 @@ def test_route_escalates_when_in_doubt(impl):
 
 
 def test_routing_cost(impl):
-    assert impl.routing_cost(0.7, 0.1) == pytest.approx(0.37)  # 63 % cheaper
+    assert impl.routing_cost(0.6, 0.2) == pytest.approx(0.52)  # 48 % cheaper
     for share, cost in [(0.0, 0.2), (1.0, 0.2), (0.35, 0.08)]:
         assert impl.routing_cost(share, cost) == pytest.approx(router.routing_cost(share, cost))
     with pytest.raises(ValueError):
