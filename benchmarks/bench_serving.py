@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from minfer.bench import serving as sb
+from minfer.bench.common import publish_report
 
 DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"  # this checkout's docs page
 
@@ -62,19 +63,9 @@ def main(argv=None) -> int:
 
 
 def report(result: dict, command: str, args: argparse.Namespace) -> int:
-    markdown = sb.format_markdown(result, command)
-    if args.plot:
-        sb.plot(result, args.plot)
-        markdown += f"\n![serving benchmark]({Path(args.plot).name})\n"
-    if args.notes:
-        markdown += "\n" + Path(args.notes).read_text()
-    print(markdown)
-    if args.json_path and not args.render:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(result, indent=2))
-    if args.update_docs:
-        sb.update_docs_section(markdown, args.update_docs, intro=INTRO)
-    return 0
+    return publish_report(sb.format_markdown(result, command), args, lambda: json.dumps(result, indent=2),
+                          lambda markdown: sb.update_docs_section(markdown, args.update_docs, intro=INTRO),
+                          lambda path: sb.plot(result, path), "serving benchmark")
 
 
 INTRO = ("Many requests at once, as a server sees them: minfer's continuous batching against its static batches, "

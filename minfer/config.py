@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import typing
 from dataclasses import dataclass
@@ -55,6 +56,14 @@ class ModelConfig:
     sparse_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            if not _is_positive_int(getattr(self, name)):
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -312,13 +321,22 @@ def resolve_device(device: Union[str, torch.device]) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
+        resolved = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"unknown device {device!r}: use 'auto', 'cpu' or 'cuda'") from exc
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not one minfer runs on: use 'auto', 'cpu' or 'cuda' (or 'cuda:N')")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}, but this torch sees no CUDA device (torch.cuda.is_available() is False): "
+                         "use 'cpu', or 'auto' to take a GPU where there is one")
+    return resolved
 
 
 def resolve_dtype(dtype: Union[str, torch.dtype], device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not one minfer runs in: use torch.float32, torch.bfloat16 or torch.float16 "
+                             "(or 'auto')")
         return dtype
     if dtype == "auto":  # bfloat16 where the hardware is made for it; float32 on CPU, for exactness
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -351,5 +369,6 @@ def check_quantization_args(quantization: Optional[str], group_size: Optional[in
     if group_size is not None and quantization not in GROUPED_METHODS:
         raise ValueError(f"quantization_group_size applies to the int4 methods {INT4_METHODS} and 'nf4' only, "
                          f"got {group_size!r} with quantization={quantization!r}")
-    if group_size is not None and group_size not in INT4_GROUP_SIZES:
+    if group_size is not None and (not isinstance(group_size, int) or isinstance(group_size, bool)
+                                   or group_size not in INT4_GROUP_SIZES):
         raise ValueError(f"quantization_group_size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")

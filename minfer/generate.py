@@ -57,6 +57,7 @@ def generate_static_batch(model: LlamaModel, tokenizer, seqs: list[Sequence], eo
         s.prompt_logprobs += logprobs_of(logits[row, longest - len(s.prompt_token_ids):longest - 1],
                                          s.prompt_token_ids[1:], s.params.prompt_logprobs, tokenizer)
     all_ids = ids
+    last_position = model.config.max_position_embeddings - 1  # finished rows step on, unread: keep them in RoPE's table
     for _ in range(steps):
         tokens = sample_next_tokens(logits[:, -1], [s.params for s in seqs], [s.generator for s in seqs])
         for row, (s, token) in enumerate(zip(seqs, tokens)):
@@ -68,11 +69,11 @@ def generate_static_batch(model: LlamaModel, tokenizer, seqs: list[Sequence], eo
         if all(s.finished for s in seqs):
             return
         new_ids = torch.tensor(tokens, device=device)[:, None]
-        positions = positions[:, -1:] + 1
+        positions = (positions[:, -1:] + 1).clamp(max=last_position)
         valid = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=1)
         if use_cache:  # feed only the new token; K/V of the rest come from the cache
             logits = model(new_ids, positions, cache, attention_mask(valid, 1))
         else:  # feed everything again: the O(n^2) way
             all_ids = torch.cat([all_ids, new_ids], dim=1)
-            all_positions = (valid.cumsum(1) - 1).clamp(min=0)
+            all_positions = (valid.cumsum(1) - 1).clamp(min=0, max=last_position)
             logits = model(all_ids, all_positions, None, attention_mask(valid, all_ids.shape[1]))

@@ -30,7 +30,28 @@ from minfer.quant.linear import CALIBRATED_METHODS, quantize_model
 from minfer.sampling_params import SamplingParams
 from minfer.sequence import Request, Sequence
 
-PromptType = Union[str, dict]
+PromptType = Union[str, dict]  # a string, {"prompt": str} or {"prompt_token_ids": [...]} (vLLM's TextPrompt, TokensPrompt)
+
+
+def message_text(content: Union[str, list]) -> str:
+    """A chat message's content as text: a string as it is, or the text parts of an OpenAI content list
+    ([{"type": "text", "text": ...}, ...]) joined by newlines, as vLLM joins them. Images are not supported."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"message content must be a string or a list of {{'type': 'text', 'text': str}} parts, got {content!r}")
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"message content parts must be {{'type': 'text', 'text': str}}, got {part!r}")
+    return "\n".join(part["text"] for part in content)
+
+
+def check_unicode(text: str, what: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate, as JSON's \\ud800 can carry): no tokenizer takes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid Unicode text: {exc.reason} at character {exc.start}") from None
 
 
 class LLM:
@@ -121,7 +142,7 @@ class LLM:
     def generate(self, prompts: Union[PromptType, list[PromptType]],
                  sampling_params: Union[SamplingParams, list[SamplingParams], None] = None, *,
                  use_tqdm: bool = True, use_cache: bool = True, batching: str = "continuous") -> list[RequestOutput]:
-        """Generate completions for one prompt or a list (strings or {"prompt_token_ids": [...]}).
+        """Generate completions for one prompt or a list (strings, {"prompt": str} or {"prompt_token_ids": [...]}).
 
         batching: "continuous" (the serving engine) or "static" (the simple loop of chapters 00-02:
         fixed batches of max_num_seqs, each decoded until its longest member ends). use_cache=False
@@ -191,9 +212,13 @@ class LLM:
         return request_id
 
     def add_requests(self, prompts: list[PromptType],
-                     sampling_params: Union[SamplingParams, list[SamplingParams], None] = None) -> list[str]:
-        """Queue several requests, all or none: every prompt is checked before the first is queued."""
-        requests = self._make_requests(prompts, sampling_params)
+                     sampling_params: Union[SamplingParams, list[SamplingParams], None] = None, *,
+                     refuse_beyond_context: bool = False) -> list[str]:
+        """Queue several requests, all or none: every prompt is checked before the first is queued.
+
+        A max_tokens beyond the context window is cut to what fits (as vLLM's `LLM` does), or with
+        refuse_beyond_context refused with a ValueError (as OpenAI-compatible servers do)."""
+        requests = self._make_requests(prompts, sampling_params, refuse_beyond_context)
         self._add_all(requests)
         return [r.request_id for r in requests]
 
@@ -209,10 +234,16 @@ class LLM:
         return self.engine.has_unfinished_requests()
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> str:
+        """The conversation as the model's chat template writes it; a message's content is a string or a list
+        of text parts (`message_text`)."""
+        messages = []
         for m in conversation:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError(f"each message must be {{'role': str, 'content': str}}, got {m!r}")
-        return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+                raise ValueError(f"each message must be {{'role': str, 'content': str or text parts}}, got {m!r}")
+            content = message_text(m["content"])
+            check_unicode(content, f"the content of message {len(messages)}")
+            messages.append({**m, "content": content})
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True) -> dict:
         """The conversation as a prompt of token ids: the template writes its own special tokens (a BOS
@@ -224,17 +255,22 @@ class LLM:
     def _add_all(self, requests: list[Request]) -> None:
         """Queue checked requests; if the engine refuses one (it cannot fit the pool), take back the rest."""
         try:
-            for request in requests:
+            for index, request in enumerate(requests):
                 self.engine.add_request(request)
-        except BaseException:
+        except BaseException as exc:
             for request in requests:
                 self.engine.abort_request(request.request_id)
+            if isinstance(exc, ValueError):  # say which prompt of this call it was: request ids run across calls
+                raise ValueError(f"prompt {index}: {exc}") from None
             raise
 
     def _tokenize(self, prompt: PromptType, index: int) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
+            prompt = prompt["prompt"]  # vLLM's TextPrompt: the same as the bare string
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError(f"prompt {index} is empty: give at least one character")
+            check_unicode(prompt, f"prompt {index}")
             ids = self.tokenizer.encode(prompt)  # with the special tokens the tokenizer adds (Llama's BOS), as vLLM
             text = prompt
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -242,18 +278,20 @@ class LLM:
             if not ids or not all(isinstance(t, int) and 0 <= t < self.config.vocab_size for t in ids):
                 raise ValueError(f"prompt {index}: prompt_token_ids must be a non-empty list of ints in [0, {self.config.vocab_size})")
         else:
-            raise ValueError(f"prompt {index} must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+            raise ValueError(f"prompt {index} must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, "
+                             f"got {type(prompt).__name__}")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt {index} has {len(ids)} tokens; the context window is {self.max_model_len} "
                              "and at least one must be left to generate")
         return text, ids
 
-    def _make_requests(self, prompts, sampling_params) -> list[Request]:
+    def _make_requests(self, prompts, sampling_params, refuse_beyond_context: bool = False) -> list[Request]:
         """Check every prompt and parameter first, so one bad request fails before any work starts."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError("prompts must be a string, a {'prompt_token_ids': [...]} dict, or a non-empty list of them")
+            raise ValueError("prompts must be a string, a {'prompt': str} or {'prompt_token_ids': [...]} dict, "
+                             "or a non-empty list of them")
         params_list = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts: give one, or one per prompt")
@@ -262,6 +300,11 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params {i} must be a SamplingParams, got {type(p).__name__}")
         tokenized = [self._tokenize(p, i) for i, p in enumerate(prompts)]
+        for i, ((_, ids), params) in enumerate(zip(tokenized, params_list)):
+            if refuse_beyond_context and params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+                raise ValueError(f"prompt {i} has {len(ids)} tokens and max_tokens is {params.max_tokens}: "
+                                 f"{len(ids) + params.max_tokens} in all, more than the context window of "
+                                 f"{self.max_model_len} tokens; ask for at most {self.max_model_len - len(ids)}")
         requests = []
         for (text, ids), params in zip(tokenized, params_list):
             self._request_counter += 1

@@ -65,3 +65,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(repr=False, default=None)
     prompt_logprobs: Optional[PromptLogprobs] = None  # when SamplingParams.prompt_logprobs is set
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (chapter 05), as vLLM counts them

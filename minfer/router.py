@@ -85,6 +85,10 @@ def greedy_answers(model: LlamaModel, prompts: list[list[int]], max_tokens: int,
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if not prompts or not all(prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token id lists")
+    window = model.config.max_position_embeddings
+    if max(map(len, prompts)) + max_tokens - 1 > window:
+        raise ValueError(f"the longest prompt ({max(map(len, prompts))} tokens) and max_tokens {max_tokens} do not fit "
+                         f"the model's {window} positions: shorten it or ask for fewer tokens")
     device = model.embed_tokens.weight.device
     head = getattr(model, "head_token_ids", None)
     ids, positions, valid = padded_batch(prompts, device)

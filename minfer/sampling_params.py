@@ -1,10 +1,17 @@
 """SamplingParams: how to pick each next token and when to stop (vLLM's names and defaults)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+import math
+import warnings
+from dataclasses import dataclass
 from typing import Optional, Union
 
 from minfer.logprobs import MAX_LOGPROBS
+
+# Below this a temperature divides the logits into infinities, and the softmax into NaN; vLLM raises
+# such temperatures to the same floor (with a warning) instead of failing.
+MIN_TEMPERATURE = 0.01
 
 
 @dataclass(kw_only=True)  # keywords only, as in vLLM (whose fields come in another order)
@@ -37,7 +44,6 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
-    stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
         def bad(what: str, value, allowed: str) -> ValueError:
@@ -45,8 +51,12 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", self.n, "an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise bad("temperature", self.temperature, "a number >= 0 (0 means greedy)")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
+            raise bad("temperature", self.temperature, "a finite number >= 0 (0 means greedy)")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            warnings.warn(f"temperature {self.temperature} is below {MIN_TEMPERATURE}, where the softmax turns into "
+                          f"infinities and NaN: raised to {MIN_TEMPERATURE} (as vLLM does); use 0 for greedy", stacklevel=3)
+            self.temperature = MIN_TEMPERATURE
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise bad("top_p", self.top_p, "in (0, 1]")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
@@ -55,18 +65,28 @@ class SamplingParams:
             raise bad("min_p", self.min_p, "in [0, 1]")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise bad("max_tokens", self.max_tokens, "an integer >= 1 (or None: up to the context window)")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", self.seed, "an integer or None")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**63):
+            raise bad("seed", self.seed, "None or an integer in [-2**63, 2**63) (a 64-bit seed)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS):
                 raise bad(name, value, f"None or an integer in [0, {MAX_LOGPROBS}] (0: only the chosen token)")
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not isinstance(s, str) or not s for s in stops):
+        if not (self.stop is None or isinstance(self.stop, (str, list, tuple))) \
+                or any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise bad("stop", self.stop, "a non-empty string or a list of them")
-        self.stop_strings = stops
-        if self.stop_token_ids is not None and any(not isinstance(t, int) for t in self.stop_token_ids):
-            raise bad("stop_token_ids", self.stop_token_ids, "a list of integers")
+        if self.stop_token_ids is not None and (
+                not isinstance(self.stop_token_ids, (list, tuple))
+                or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids)):
+            raise bad("stop_token_ids", self.stop_token_ids, "a list of token ids (integers >= 0)")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """`stop` as a list, read when it is used: a `stop` changed after construction counts, as in vLLM."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's name for it)."""
+        return copy.deepcopy(self)
 
     @property
     def greedy(self) -> bool:

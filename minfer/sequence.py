@@ -139,4 +139,5 @@ class Request:
     def to_output(self) -> RequestOutput:
         prompt_logprobs = self.seqs[0].prompt_logprobs
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [s.to_output() for s in self.seqs],
-                             self.finished, self.seqs[0].metrics, None if prompt_logprobs is None else list(prompt_logprobs))
+                             self.finished, self.seqs[0].metrics, None if prompt_logprobs is None else list(prompt_logprobs),
+                             self.seqs[0].num_cached_prompt_tokens)

@@ -7,14 +7,21 @@ from minfer import LLM, SamplingParams
 @pytest.mark.parametrize("kwargs,message", [
     (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
     (dict(max_tokens=-3), "max_tokens must be an integer >= 1"),
-    (dict(temperature=-0.1), "temperature must be a number >= 0"),
+    (dict(temperature=-0.1), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("inf")), "temperature must be a finite number >= 0"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
     (dict(top_k=-2), "top_k must be an integer >= 1, or 0 / -1"),
     (dict(top_k=2.5), "top_k must be an integer"),
     (dict(n=0), "n must be an integer >= 1"),
     (dict(stop=[""]), "stop must be a non-empty string"),
-    (dict(seed="abc"), "seed must be an integer"),
+    (dict(stop=5), "stop must be a non-empty string or a list of them, got 5"),
+    (dict(stop_token_ids=5), r"stop_token_ids must be a list of token ids \(integers >= 0\), got 5"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids must be a list of token ids"),
+    (dict(stop_token_ids=[True]), "stop_token_ids must be a list of token ids"),
+    (dict(seed="abc"), "seed must be None or an integer"),
+    (dict(seed=2 ** 64), r"seed must be None or an integer in \[-2\*\*63, 2\*\*63\)"),
     (dict(min_p=2), r"min_p must be in \[0, 1\]"),
 ])
 def test_bad_sampling_params(kwargs, message):
@@ -36,7 +43,7 @@ def test_prompt_longer_than_context_window(llm):
 
 
 def test_non_string_prompt(llm):
-    with pytest.raises(ValueError, match="prompt 1 must be a string or .*got int"):
+    with pytest.raises(ValueError, match="prompt 1 must be a string, .*got int"):
         llm.generate(["fine", 123], use_tqdm=False)
     with pytest.raises(ValueError, match="prompts must be"):
         llm.generate([], use_tqdm=False)
@@ -54,6 +61,30 @@ def test_mismatched_sampling_params(llm):
 def test_bad_chat_messages(llm):
     with pytest.raises(ValueError, match="each message must be"):
         llm.chat([{"role": "user"}], use_tqdm=False)
+    with pytest.raises(ValueError, match="content parts must be {'type': 'text', 'text': str}, got {'type': 'image_url'"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], use_tqdm=False)
+
+
+def test_a_temperature_too_small_for_the_softmax_is_raised_to_the_floor_and_the_batch_goes_on(llm):
+    # 1e-45 divides the logits into infinities: NaN probabilities would fail the whole batch's sampling step
+    with pytest.warns(UserWarning, match="temperature 1e-45 is below 0.01.*raised to 0.01"):
+        tiny = SamplingParams(temperature=1e-45, max_tokens=4, seed=0)
+    assert tiny.temperature == 0.01
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    both = llm.generate(["The capital of France is"] * 2, [greedy, tiny], use_tqdm=False)
+    alone = llm.generate("The capital of France is", greedy, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in both] == ["length", "length"]
+    assert both[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    # at 0.01 the top token is all but certain: the same tokens as greedy
+    assert both[1].outputs[0].token_ids == alone[0].outputs[0].token_ids
+
+
+def test_a_request_too_big_for_the_pool_names_its_prompt():
+    small = LLM("smollm2-135m", dtype="float32", device="cpu", num_gpu_blocks_override=4, block_size=16)
+    small.generate("warm up the request counter", SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^prompt 1: request \d+ may need 201 tokens of KV cache"):
+        small.generate(["Hi", "Hello"], [SamplingParams(max_tokens=8), SamplingParams(max_tokens=200)], use_tqdm=False)
+    assert not small.has_unfinished_requests() and small.engine.blocks.num_free_blocks == small.engine.blocks.num_blocks
 
 
 def test_bad_engine_arguments():

@@ -47,6 +47,19 @@ def test_continuous_batching_with_preemption_equals_solo(tiny_4k_dir):
     assert tight.engine.blocks.num_free_blocks == 80  # every block came back
 
 
+def test_static_batch_with_a_prompt_at_the_end_of_the_window(tiny_dir):
+    # a finished row kept stepping its position: past the RoPE table once a full-window prompt shared the batch
+    llm = LLM(tiny_dir, dtype="float32", device="cpu")
+    window = llm.max_model_len
+    assert window == llm.config.max_position_embeddings  # the default, where the table ends with the window
+    prompts = [{"prompt_token_ids": [3 + i % 500 for i in range(window - 1)]}, {"prompt_token_ids": [5, 6, 7]}]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    static = llm.generate(prompts, params, use_tqdm=False, batching="static")
+    assert [len(t) for t in ids(static)] == [1, 5]
+    assert ids(static) == ids(llm.generate(prompts, params, use_tqdm=False))
+    assert ids(llm.generate(prompts, params, use_tqdm=False, batching="static", use_cache=False)) == ids(static)
+
+
 @pytest.mark.slow
 def test_real_model_continuous_equals_static_and_solo(llm):
     prompts = ["The capital of France is", "Write a haiku about autumn leaves.", "1, 2, 3, 4,", "def add(a, b):",

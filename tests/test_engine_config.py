@@ -43,12 +43,22 @@ def test_kv_bytes_per_token_by_hand():
     ("quantization", "int3", "unknown quantization 'int3'"),
     ("dtype", "float64", "unknown dtype 'float64'"),
     ("device", "tpu", "unknown device 'tpu'"),
+    ("device", "meta", "device 'meta' is not one minfer runs on"),
+    ("dtype", torch.int8, "dtype torch.int8 is not one minfer runs in"),
+    ("dtype", torch.float64, "dtype torch.float64 is not one minfer runs in"),
     ("enforce_eager", "yes", "enforce_eager must be True, False or None"),
     ("num_speculative_tokens", 4, "speculative_model and num_speculative_tokens go together"),
 ])
 def test_each_bad_argument_is_named(field, value, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**{field: value})
+
+
+def test_a_group_size_must_be_an_integer():
+    # 64.0 == 64, so "in (32, 64, 128)" let it through, and reshape failed far from the cause
+    for size in (64.0, True):
+        with pytest.raises(ValueError, match=r"quantization_group_size must be one of \(32, 64, 128\)"):
+            EngineConfig(quantization="int4", quantization_group_size=size)
 
 
 def test_unknown_argument_lists_the_allowed_ones():

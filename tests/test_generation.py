@@ -82,6 +82,13 @@ def test_stop_string_truncates_text(llm):
     kept = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=20, stop="7", include_stop_str_in_output=True),
                         use_tqdm=False)[0].outputs[0]
     assert kept.text == full[:full.index("7") + 1]
+    # as in vLLM, stop is read when it is used: set after construction, it still counts (and a clone keeps it)
+    later = SamplingParams(temperature=0, max_tokens=20)
+    later.stop = ["7"]
+    cloned = later.clone()
+    later.stop = None
+    assert llm.generate(PROMPTS[2], cloned, use_tqdm=False)[0].outputs[0].text == out.text
+    assert llm.generate(PROMPTS[2], later, use_tqdm=False)[0].outputs[0].text == full
 
 
 def test_stop_token_ids(llm):
@@ -118,6 +125,29 @@ def test_token_id_prompts_and_request_fields(llm):
     assert by_ids.prompt_token_ids == by_text.prompt_token_ids == ids
     assert by_text.prompt == PROMPTS[0] and by_ids.outputs[0].token_ids == by_text.outputs[0].token_ids
     assert by_text.finished and by_text.outputs[0].text == llm.tokenizer.decode(by_text.outputs[0].token_ids)
+    # vLLM's TextPrompt, {"prompt": text}, is the bare string, alone or mixed with others
+    by_dict = llm.generate([{"prompt": PROMPTS[0]}, PROMPTS[1]], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    assert by_dict[0].prompt == PROMPTS[0] and by_dict[0].prompt_token_ids == ids
+    assert by_dict[0].outputs[0].token_ids == by_text.outputs[0].token_ids
+
+
+def test_chat_content_may_be_text_parts(llm):
+    # OpenAI's content lists: the text parts joined by newlines, as vLLM joins them
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name a colour."}, {"type": "text", "text": "One word."}]}]
+    plain = [{"role": "user", "content": "Name a colour.\nOne word."}]
+    assert llm.chat_prompt(parts) == llm.chat_prompt(plain)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    assert llm.chat(parts, params, use_tqdm=False)[0].outputs[0].token_ids == \
+        llm.chat(plain, params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_num_cached_tokens_counts_the_prefix_cache_hits(llm):
+    block = llm.engine.config.block_size
+    prompt = {"prompt_token_ids": list(range(1000, 1000 + 2 * block + block // 2))}  # two whole blocks and a half
+    params = SamplingParams(temperature=0, max_tokens=2)
+    assert llm.engine.config.enable_prefix_caching
+    assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 0  # never seen: nothing cached
+    assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 2 * block  # the whole blocks
 
 
 def test_small_batches_give_the_same_result(llm):

@@ -116,6 +116,22 @@ def test_damaged_files_are_refused_with_the_reason(tmp_path, damage, message):
     assert str(bad) in str(error.value)
 
 
+def test_metadata_a_model_cannot_have_is_refused_by_name(tmp_path):
+    path = tmp_path / "zero_heads.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (("llama.attention.head_count", 0), ("llama.embedding_length", 64),
+                       ("llama.feed_forward_length", 128), ("llama.block_count", 1)):
+        writer.add_uint32(key, value)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="head_count must be an integer >= 1, got 0") as error:
+        load_model(str(path))
+    assert str(path) in str(error.value)
+
+
 def test_a_gguf_file_without_model_metadata_is_refused_by_name(tmp_path):
     path = tmp_path / "small.gguf"
     write_small_gguf(path)  # architecture 'llama', but no llama.* keys

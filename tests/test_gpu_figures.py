@@ -54,3 +54,23 @@ def test_a_plot_is_shown_as_a_png_whatever_the_kernel_has_set_up(tmp_path, monke
     assert shown[0].data.startswith(b"\x89PNG") and shown[0]._repr_png_()
     gf.show_figures("ch99", tmp_path, dict(figures, plot=None))
     assert len(shown) == 1  # no plot asked for, none shown
+
+
+def test_every_gpu_cell_has_stored_figures_from_a_gpu():
+    """Each chapter whose notebook has a GPU cell has figures in docs/gpu/ that were measured on CUDA, name the
+    device and date, and render (what a learner on a CPU sees in that cell)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    chapters = {f"ch{nb.name[:2]}" for nb in (root / "notebooks").glob("[0-9]*.ipynb")
+                if "gpu_cell(" in nb.read_text()}
+    assert len(chapters) >= 9, chapters
+    for chapter in sorted(chapters):
+        figures = gf.load_figures(chapter, root / "docs" / "gpu")
+        assert figures is not None, f"{chapter}: no docs/gpu/{chapter}.json"
+        assert figures["chapter"] == chapter and figures["device"] not in ("", "cpu") and figures["date"]
+        assert "+cu" in figures["torch"], figures["torch"]  # a CUDA build of torch measured them
+        text = gf.format_figures(figures)
+        assert text.startswith(f"{figures['title']}: measured on {figures['device']}")
+        if figures.get("plot"):
+            assert gf.plot_figures(figures).axes[0].lines

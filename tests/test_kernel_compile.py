@@ -73,7 +73,7 @@ def test_shared_memory_and_registers_within_limits(report):
     assert not too_much_shared, listing(too_much_shared, lambda r: f"{r['shared']} B of shared memory")
     too_many_registers = [r for r in rows if r["registers"] > 255]
     assert not too_many_registers, listing(too_many_registers, lambda r: f"{r['registers']} registers")
-    spilling = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
+    spilling = [r for r in rows if any("spills" in problem for problem in r["problems"])]  # beyond a register or two
     assert not spilling, listing(spilling, lambda r: f"spills {r['spill_stores']} B (tiles: {r['constexprs']})")
 
 

@@ -158,11 +158,9 @@ for block_size, (num_heads, num_kv_heads, head_dim) in [(4, (9, 3, 24))]:  # GQA
     slots = torch.cat([slots, torch.tensor([-1])])  # a padding token, written nowhere
     k, v = torch.cat([k, k[:1]]), torch.cat([v, v[:1]])
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    pools = {name: [torch.zeros(shape, dtype=torch.float8_e4m3fn, device=device) for _ in range(2)]
-             for name in ("kernel", "reference")}
-    write_kv(*pools["kernel"], k.to(device), v.to(device), slots.int().to(device), *[s.to(device) for s in scales])
-    write_kv_reference(*[p.cpu() for p in pools["reference"]], k, v, slots, *scales)
-    kp, vp = [t.cpu() for t in pools["kernel"]]
+    kernel_pools = [torch.zeros(shape, dtype=torch.float8_e4m3fn, device=device) for _ in range(2)]
+    write_kv(*kernel_pools, k.to(device), v.to(device), slots.int().to(device), *[s.to(device) for s in scales])
+    kp, vp = [t.cpu() for t in kernel_pools]
     reference = [torch.zeros(shape, dtype=torch.float8_e4m3fn) for _ in range(2)]
     write_kv_reference(*reference, k, v, slots, *scales)
     for got, want in zip((kp, vp), reference):  # the same e4m3 codes (CUDA's fast division may move a tie a step)
@@ -178,7 +176,7 @@ for block_size, (num_heads, num_kv_heads, head_dim) in [(4, (9, 3, 24))]:  # GQA
     # queries scaled against their KV head's keys: scores of order 1, as a trained model's are
     per_query_head = (1 / magnitude).repeat_interleave(num_heads // num_kv_heads, dim=0)[:, 0][:, None]
     q = torch.randn(len(lengths), num_heads, head_dim, generator=gen) * per_query_head
-    got = paged_decode_attention(q.to(device), *pools["kernel"], tables.to(device), lens.to(device), block_n=16, **kw).cpu()
+    got = paged_decode_attention(q.to(device), *kernel_pools, tables.to(device), lens.to(device), block_n=16, **kw).cpu()
     want = paged_decode_attention_reference(q, kp, vp, tables, lens, k_scales=scales[0], v_scales=scales[1])
     exact = paged_decode_attention_reference(q, exact_k, exact_v, tables, lens)
     torch.testing.assert_close(got, want, atol=tight * 40, rtol=tight)
@@ -189,7 +187,7 @@ for block_size, (num_heads, num_kv_heads, head_dim) in [(4, (9, 3, 24))]:  # GQA
     q_lens = [1, 4, 23, 3]
     cu = torch.tensor([0] + q_lens).cumsum(0).int()
     q = torch.randn(int(cu[-1]), num_heads, head_dim, generator=gen) * per_query_head
-    got = paged_prefill_attention(q.to(device), *pools["kernel"], tables.to(device), cu.to(device), lens.to(device),
+    got = paged_prefill_attention(q.to(device), *kernel_pools, tables.to(device), cu.to(device), lens.to(device),
                                   block_m=16, block_n=16, **kw).cpu()
     want = paged_prefill_attention_reference(q, kp, vp, tables, cu, lens, k_scales=scales[0], v_scales=scales[1])
     exact = paged_prefill_attention_reference(q, exact_k, exact_v, tables, cu, lens)

@@ -194,14 +194,14 @@ KERNELS = textwrap.dedent("""
             k, v = torch.cat([k, k[:1]]), torch.cat([v, v[:1]])
             shape = (num_blocks, block_size, num_kv_heads, head_dim)
             pools = {}
-            for name in ("kernel", "reference"):  # int8 pools and their scales, both written
+            for name in ("kernel", "reference"):  # int8 pools and their scales: the kernel's on the device
                 pools[name] = [torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8),
                                torch.zeros(shape[:3]), torch.zeros(shape[:3])]
-                pools[name] = [t.to(device) for t in pools[name]]
+            pools["kernel"] = [t.to(device) for t in pools["kernel"]]
             write_kv(*pools["kernel"][:2], k.to(device), v.to(device), slots.int().to(device), *pools["kernel"][2:])
-            write_kv_reference(*pools["reference"][:2], k, v, slots, *[t.cpu() for t in pools["reference"][2:]])
+            write_kv_reference(*pools["reference"][:2], k, v, slots, *pools["reference"][2:])
             kp, vp, ks, vs = [t.cpu() for t in pools["kernel"]]
-            rk, rv, rks, rvs = [t.cpu() for t in pools["reference"]]
+            rk, rv, rks, rvs = pools["reference"]
             for got, want in ((kp, rk), (vp, rv)):  # CUDA's fast division may round a tie the other way
                 assert (got.int() - want.int()).abs().max() <= 1 and (got == want).float().mean() > 0.999
             torch.testing.assert_close(ks, rks, rtol=1e-6, atol=0)

@@ -78,6 +78,22 @@ def test_unsupported_architecture(tmp_path, llm):
         load_model(str(tmp_path))
 
 
+@pytest.mark.parametrize("change, message", [
+    (lambda c: [1, 2], "is not a valid model config"),
+    (lambda c: {**c, "num_key_value_heads": 0}, "num_kv_heads must be an integer >= 1, got 0"),
+    (lambda c: {**c, "num_attention_heads": "4"}, "is not a valid model config|num_heads must be an integer"),
+    (lambda c: {**c, "num_hidden_layers": -1}, "num_layers must be an integer >= 1, got -1"),
+    (lambda c: {**c, "rope_theta": "abc"}, "could not convert string to float"),
+])
+def test_a_malformed_config_is_refused_naming_the_file(tmp_path, llm, change, message):
+    tiny_hf_checkpoint(tmp_path, llm.tokenizer, "llama", True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(change(config)))
+    with pytest.raises(ValueError, match=message) as error:
+        load_model(str(tmp_path))
+    assert "config.json" in str(error.value)
+
+
 def test_not_a_model_file(tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("hello")

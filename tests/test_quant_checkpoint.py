@@ -97,6 +97,33 @@ def test_malformed_quantization_config_is_refused(int4_checkpoint, tmp_path, cha
         LLM(str(folder))
 
 
+@pytest.mark.parametrize("tensor, change, message", [
+    ("lm_head.qweight", lambda t: t[:1000], r"lm_head.qweight is torch.int8 \(1000, 64\), expected torch.int8 \(\d+, 64\)"),
+    ("model.layers.0.mlp.down_proj.qweight", lambda t: t.view(torch.int8), "down_proj.qweight is torch.int8"),
+    ("model.layers.1.self_attn.qkv_proj.scale", lambda t: t[:-16], "qkv_proj.scale is torch.float16"),
+])
+def test_tensors_that_do_not_fit_the_config_are_refused(int4_checkpoint, tmp_path, tensor, change, message):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(int4_checkpoint, folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors[tensor] = change(tensors[tensor]).contiguous()
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=message):
+        LLM(str(folder))
+
+
+def test_a_checkpoint_written_over_keeps_none_of_the_old_files(tiny_dir, tmp_path):
+    folder = tmp_path / "ckpt"
+    quantize_checkpoint(tiny_dir, "int8", str(folder))
+    # as a sentencepiece tokenizer (Llama 2's) would have left it: this model's tokenizer writes no such file
+    (folder / "tokenizer.model").write_bytes(b"an earlier model's vocabulary")
+    quantize_checkpoint(tiny_dir, "int4", str(folder), group_size=32)
+    assert not (folder / "tokenizer.model").exists() and (folder / "tokenizer.json").exists()
+    assert LLM(str(folder)).model.quantization["method"] == "int4"
+
+
 def test_a_checkpoint_refuses_another_quantization(int4_checkpoint):
     with pytest.raises(ValueError, match=r"is a 'int4' checkpoint \(group size 32\)"):
         LLM(int4_checkpoint, quantization="int8")

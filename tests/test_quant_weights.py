@@ -145,9 +145,10 @@ KERNEL_SCRIPT = textwrap.dedent("""
 
     gen = torch.Generator().manual_seed(0)
     checked = 0
-    # N not a multiple of the 64-wide tile; K not a multiple of the int8 kernel's 64-wide K step; K cut into
-    # slices (split-K, as on a GPU at decode sizes), the last slice short (96 = 64 + 32) or empty (3 of 2 steps)
-    for m, n, k in [(1, 80, 96), (5, 48, 128), (17, 64, 256)]:
+    # N not a multiple of the output tiles (32 wide for int8, 16 for int4); K not a multiple of the int8 kernel's
+    # K step (64 for float32); K cut into slices (split-K, as on a GPU at decode sizes), the last slice short
+    # (96 = 64 + 32) or empty (3 of 2 steps)
+    for m, n, k in [(1, 72, 96), (5, 40, 128), (17, 64, 256)]:
         w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
         q, scale = quantize_int8_per_channel(w)
         for splits in (1, 2):
@@ -250,6 +251,26 @@ def test_int4_falls_back_where_the_cpu_kernel_cannot_run():
     torch.testing.assert_close(layer(x), x @ layer.dequantize().T + linear.bias)
     with pytest.raises(ValueError, match="divisible by 16"):
         Int4Linear.from_linear(linear, 32, backend="torch")
+
+
+def test_int8_falls_back_where_the_cpu_kernel_cannot_run():
+    # PyTorch's CPU int8 kernel reads inputs 8 at a time: 36 inputs gave wrong sums, NaN, or a crash
+    linear = torch.nn.Linear(36, 16, bias=False)
+    layer = Int8Linear.from_linear(linear)
+    assert layer.backend == "reference" and "divisible by 8" in layer.fallback_reason
+    for rows in (1, 3):
+        x = torch.randn(rows, 36)
+        torch.testing.assert_close(layer(x), x @ layer.dequantize().T)
+    with pytest.raises(ValueError, match="divisible by 8"):
+        Int8Linear.from_linear(linear, backend="torch")
+    assert Int8Linear.from_linear(torch.nn.Linear(40, 16)).backend == "torch"
+
+
+def test_quantizing_twice_is_refused(tiny):
+    once = quantize_model(copy.deepcopy(tiny.model), "int4", backend="reference")
+    for method in ("int4", "int8"):
+        with pytest.raises(ValueError, match="already quantized \\(int4\\): quantize the float model"):
+            quantize_model(once, method)
 
 
 def test_bad_quantization_arguments(tiny):

@@ -142,6 +142,10 @@ def test_a_batch_answers_as_each_prompt_alone():
     for bad in ([], [[1, 2], []]):
         with pytest.raises(ValueError, match="prompts"):
             greedy_answers(target, bad, 4)
+    window = target.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"do not fit the model's {window} positions"):
+        greedy_answers(target, [[1] * (window - 2), [5]], 4)
+    assert len(greedy_answers(target, [[1] * (window - 3), [5]], 4)[0].token_ids) <= 4  # the last position, exactly
 
 
 def test_router_thresholds_at_the_extremes():

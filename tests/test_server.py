@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from minfer import SamplingParams
-from minfer.bench.serve import free_port, stop_server, wait_until_ready
+from minfer.bench.launch import free_port, stop_server, wait_until_ready
 from minfer.bench.soak import server_metrics
 
 MODEL = "smollm2-135m"
@@ -186,8 +186,25 @@ def test_bad_requests_get_4xx_and_the_server_stays_correct(server, llm):
         r = httpx.post(url, json=body, timeout=30)
         assert r.status_code == 400, (body, r.text)
         error = r.json()["error"]
-        assert error["message"] and error["code"] == 400 and "type" in error
-    assert httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}).status_code == 400
+        assert error["message"] and error["code"] == 400 and error["type"] == "BadRequestError"
+    named = [  # (body, the field or problem the message must name)
+        ({**ok, "temperature": float("nan")}, "temperature"), ({**ok, "seed": 2 ** 64}, "seed"),
+        ({**ok, "prompt": [1] * 8150, "max_tokens": 100}, "more than the context window of 8192 tokens; ask for at most 42"),
+        ({**ok, "logprobs": 21}, "logprobs"),
+    ]
+    for body, words in named:  # (json.dumps writes NaN as JSON's parsers read it, which httpx's json= refuses)
+        r = httpx.post(url, content=json.dumps(body), headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], (body, r.text)
+    chat_url, question = server.url + "/v1/chat/completions", {"role": "user", "content": "Hi"}
+    r = httpx.post(chat_url, json={"model": MODEL, "messages": [question], "logprobs": True, "top_logprobs": 21})
+    assert r.status_code == 400 and "top_logprobs" in r.json()["error"]["message"], r.text
+    # JSON may carry a lone surrogate, which is not text: a 400 in OpenAI's error shape, not a 500
+    for endpoint, raw in ((url, b'{"prompt": "\\ud800", "max_tokens": 2}'),
+                          (chat_url, b'{"messages": [{"role": "user", "content": "\\ud800"}]}')):
+        r = httpx.post(endpoint, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "not valid Unicode" in r.json()["error"]["message"], r.text
+    bad_json = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400 and bad_json.json()["error"]["type"] == "BadRequestError"
     assert httpx.post(url, json={**ok, "model": "gpt-4"}).status_code == 404
     chat = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": []})
     assert chat.status_code == 400
@@ -199,6 +216,34 @@ def test_bad_requests_get_4xx_and_the_server_stays_correct(server, llm):
     (want,) = offline(llm, [PROMPTS[2]], temperature=0, max_tokens=6)
     assert server.client().completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=6,
                                               temperature=0).choices[0].text == want
+
+
+def test_a_tiny_temperature_is_raised_to_the_floor_and_takes_no_one_down(server, llm):
+    # 1e-300 once divided the logits into infinities: the NaN sample failed every request of the step
+    client = server.client()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        greedy = pool.submit(lambda: client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=40, temperature=0))
+        tiny = pool.submit(lambda: client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=1e-300))
+        (want,) = offline(llm, [PROMPTS[0]], temperature=0, max_tokens=40)
+        assert greedy.result().choices[0].text == want
+        assert tiny.result().choices[0].text == want[:len(tiny.result().choices[0].text)]  # 0.01: greedy in effect
+
+
+def test_streamed_logprob_offsets_continue_across_chunks(server):
+    client = server.client()
+    args = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=1)
+    whole = client.completions.create(**args).choices[0].logprobs.text_offset
+    streamed = [o for chunk in client.completions.create(**args, stream=True)
+                for c in chunk.choices if c.logprobs for o in c.logprobs.text_offset]
+    assert streamed == whole and whole[0] == 0 and len(set(whole)) > 1 and whole == sorted(whole)
+
+
+def test_chat_content_as_text_parts(server):
+    parts = [{"type": "text", "text": "Name a colour."}, {"type": "text", "text": "One word."}]
+    answers = [server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                                      max_tokens=8, temperature=0).choices[0].message.content
+               for content in (parts, "Name a colour.\nOne word.")]
+    assert answers[0] == answers[1]
 
 
 def test_metrics_count_tokens_and_latencies(server):
@@ -241,6 +286,8 @@ def test_waiting_queue_limit_and_body_limit(tiny_model):
                     third = httpx.post(s.url + "/v1/completions", json=long, timeout=30)
                     assert third.status_code == 503, third.text
                     assert third.headers["retry-after"] and third.json()["error"]["code"] == 503
+        many = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 2, "n": 2})
+        assert many.status_code == 400 and "would add 2 sequences (prompts x n)" in many.json()["error"]["message"]
         big = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "x " * 2000})
         assert big.status_code == 413 and "limit" in big.json()["error"]["message"]
         assert wait_until(lambda: s.metric("num_requests_running") == 0 and s.metric("num_requests_waiting") == 0)

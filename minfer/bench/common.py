@@ -20,7 +20,7 @@ import platform
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -122,6 +122,25 @@ def quiet():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
+
+
+def publish_report(markdown: str, args, json_text: Callable[[], str], update_docs: Callable[[str], None],
+                   plot: Optional[Callable[[str], None]] = None, plot_alt: str = "") -> int:
+    """A benchmark script's last step, as its options ask: the plot (linked from the markdown), the notes
+    appended, the markdown printed, the JSON written (not when --render re-reads one), the docs section
+    replaced. `args` has plot, notes, json_path, render and update_docs. Returns 0, the exit status."""
+    if args.plot and plot is not None:
+        plot(args.plot)
+        markdown += f"\n![{plot_alt}]({Path(args.plot).name})\n"
+    if args.notes:
+        markdown += "\n" + Path(args.notes).read_text()
+    print(markdown)
+    if args.json_path and not args.render:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json_text())
+    if args.update_docs:
+        update_docs(markdown)
+    return 0
 
 
 def write_docs_section(markdown: str, path: Union[str, Path], start: str, end: str, heading: str,

@@ -60,13 +60,14 @@ def kernel_bandwidth(num_seqs: int = 32, context_len: int = 4096, num_heads: int
 def quant_matmul_speed(n: int, k: int, rows: int = 1, dtype: torch.dtype = torch.bfloat16, group_size: int = 64,
                        device: str = "cuda") -> list[dict]:
     """Time x [rows, K] @ W.T for W [N, K] on CUDA: dense (``F.linear``), the int8 and int4 kernels unsplit
-    (one program per 64 outputs, the engine's default) and with the K slices ``num_k_splits`` chooses; the
+    (the engine's default tiles) and with the K slices ``num_k_splits`` chooses; the
     weight bytes each reads per second. At decode sizes the unsplit grid leaves most SMs idle: the split
     rows show whether cutting K pays for its two extra launches."""
     import triton.testing
 
     from minfer.formats.weights import pack_int4, quantize_int4_groupwise, quantize_int8_per_channel
-    from minfer.kernels.quant_matmul import int4_matmul, int8_matmul, k_slices
+    from minfer.kernels.quant_matmul import (INT4_BLOCK_N, INT8_BLOCK_N, int4_block_k, int4_matmul, int8_block_k,
+                                             int8_matmul, k_slices)
 
     w = torch.randn(n, k, device=device) * 0.02
     x = torch.randn(rows, k, device=device, dtype=dtype)
@@ -74,7 +75,8 @@ def quant_matmul_speed(n: int, k: int, rows: int = 1, dtype: torch.dtype = torch
     q8, s8 = quantize_int8_per_channel(w)
     q4, s4, m4 = quantize_int4_groupwise(w, group_size)
     packed = pack_int4(q4)
-    auto = {"int8": k_slices(x, n, k, 16, 64, 64, None)[0], "int4": k_slices(x, n, k, 16, 64, 32, None)[0]}
+    auto = {"int8": k_slices(x, n, k, 16, INT8_BLOCK_N, int8_block_k(dtype), None)[0],
+            "int4": k_slices(x, n, k, 16, INT4_BLOCK_N, int4_block_k(dtype, group_size), None)[0]}
     cases = [("dense", None, lambda: torch.nn.functional.linear(x, dense), n * k * dense.element_size())]
     for splits in (1, None):  # unsplit (the engine's default), then the slices num_k_splits chooses
         cases.append(("int8", splits, lambda s=splits: int8_matmul(x, q8, s8, num_splits=s), q8.numel() + 4 * n))

@@ -282,7 +282,7 @@ def soak_server(model: str, num_requests: int, sample_every: int = 250, concurre
     import openai
     from tqdm.auto import tqdm
 
-    from minfer.bench.serve import free_port, launched_server, minfer_server_command
+    from minfer.bench.launch import free_port, launched_server, minfer_server_command
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

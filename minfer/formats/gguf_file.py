@@ -132,6 +132,8 @@ def read_gguf_file(path: str) -> GGUFFile:
         dims = [cursor.take("<Q") for _ in range(cursor.take("<I"))]
         table.append((name, dims, cursor.take("<I"), cursor.take("<Q")))
     alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+    if alignment < 1:
+        raise ValueError(f"{path}: general.alignment must be >= 1, got {alignment}")
     data_start = -(-cursor.offset // alignment) * alignment
     tensors = {}
     for name, dims, ggml_type, offset in table:

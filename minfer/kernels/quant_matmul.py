@@ -29,13 +29,20 @@ registers, one tile at a time; memory is read in the small format.
   cannot be factored out; ``BLOCK_K`` divides the group size, so each K step lies inside one group
   and needs one scale and one minimum per row: ``w = q * scale + min``.
 
-Split-K: a decode step has one row, so the grid is one program per ``BLOCK_N`` outputs: 9 programs for
-SmolLM2's 576-wide projections, on a GPU with over a hundred SMs. Most of the chip would sit idle and
-the weights would stream through a few SMs' load units. Cutting K into ``num_splits`` slices (a third
-grid axis) gives more programs: each sums its slice into a float32 partial, and a ``sum`` over the
-slices finishes the job, at the price of that sum (and a cast) as two more launches. ``num_splits=None``
-lets ``num_k_splits`` choose (toward two programs per SM, slices of at least four K steps); the default
-stays one slice until ``benchmarks/bench_kernels.py``, which times both, shows on a GPU that it pays.
+Tiles: a decode step has one row, so the grid is one program per ``BLOCK_N`` outputs, and narrow tiles
+are what put many SMs to work. ``benchmarks/tune_quant_matmul.py`` timed every choice on an H200
+(docs/benchmarks.md): for Llama-3.1-8B's 4096 x 14336 down projection the first defaults (64 outputs,
+K steps of 64 or 32) took 111 us in int8 and 772 us in int4, against 42 us for dense bfloat16; 32
+outputs and K steps of 256 bring int8 to 41 us (as fast as dense, from half the bytes), 16 outputs and
+K steps of 64 bring int4 to 245 us. (Those are for bfloat16 activations; float32 ones keep the shorter
+K steps, which their exact products need to fit in registers.) int4 stays far from its bytes' worth: each weight costs a shift, a
+mask, a multiply and an add on the CUDA cores before the tensor cores see it.
+
+Split-K: cutting K into ``num_splits`` slices (a third grid axis) gives still more programs: each sums
+its slice into a float32 partial, and a ``sum`` over the slices finishes the job, at the price of that
+sum (and a cast) as two more launches. ``num_splits=None`` lets ``num_k_splits`` choose (toward two
+programs per SM, slices of at least four K steps). On the H200 it helped only the large matrix and
+cost more than it gained at SmolLM2's sizes, so the default is one slice.
 
 A tensor core multiplies tiles of at least 16 rows, so a decode step's single row is padded to
 ``BLOCK_M = 16`` and masked (older Triton versions refuse a smaller ``tl.dot``; newer ones pad it
@@ -126,6 +133,21 @@ def _int4_matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, K_PE
              mask=row_ok[:, None] & col_ok[None, :])
 
 
+INT8_BLOCK_N, INT4_BLOCK_N = 32, 16  # outputs per program: narrow tiles put more SMs to work on a decode step
+
+
+def int8_block_k(dtype: torch.dtype) -> int:
+    """The int8 kernel's K step: 256 (tuned on an H200) for 16-bit activations, 64 for float32, whose exact
+    products need more registers (a 256-wide float32 step spills)."""
+    return 64 if dtype == torch.float32 else 256
+
+
+def int4_block_k(dtype: torch.dtype, group_size: int) -> int:
+    """The int4 kernel's K step: 64 for 16-bit activations (tuned on an H200), 32 for float32, never more than
+    the group size (a step must lie inside one group)."""
+    return min(32 if dtype == torch.float32 else 64, group_size)
+
+
 def matmul_warps(dtype: torch.dtype) -> int:
     """Warps per program for activations of ``dtype``: 4, but 8 for float32, whose exact products
     (input_precision="ieee") run on the CUDA cores and need more registers than 4 warps have
@@ -171,17 +193,19 @@ def _finish(out: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], n)
 
 
-def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, block_m: int = 16, block_n: int = 64,
-                block_k: int = 64, num_splits: Optional[int] = 1) -> torch.Tensor:
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, block_m: int = 16,
+                block_n: int = INT8_BLOCK_N, block_k: Optional[int] = None, num_splits: Optional[int] = 1) -> torch.Tensor:
     """The Triton kernel for ``int8_matmul_reference`` (same arguments, same result within float rounding).
 
-    q must be contiguous int8 [N, K] and scale float32 [N]. The block sizes are tuning knobs
-    (powers of two, at least 16); num_splits slices K (split-K; None: ``num_k_splits`` chooses). Falls
-    back to the reference off CUDA without TRITON_INTERPRET=1.
+    q is int8 [N, K] and scale float32 [N] (made contiguous if they are not). The block sizes are tuning knobs
+    (powers of two, at least 16; block_k by default ``int8_block_k``); num_splits slices K (split-K; None:
+    ``num_k_splits`` chooses). Falls back to the reference off CUDA without TRITON_INTERPRET=1.
     """
     if not use_triton(x):
         return int8_matmul_reference(x, q, scale)
+    block_k = block_k or int8_block_k(x.dtype)
     n, k = q.shape
+    q, scale = q.contiguous(), scale.contiguous()  # the kernel walks rows by one stride: no transposed views
     x2, out, grid, k_per_split = _launch(x, n, k, block_m, block_n, block_k, num_splits)
     _int8_matmul_kernel[grid](x2, q, scale, out, x2.shape[0], n, k, k_per_split,
                               x2.stride(0), q.stride(0), out.stride(1), out.stride(0),
@@ -190,19 +214,22 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, block_
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, *,
-                block_m: int = 16, block_n: int = 64, block_k: int = 32, num_splits: Optional[int] = 1) -> torch.Tensor:
+                block_m: int = 16, block_n: int = INT4_BLOCK_N, block_k: Optional[int] = None,
+                num_splits: Optional[int] = 1) -> torch.Tensor:
     """The Triton kernel for ``int4_matmul_reference`` (same arguments, same result within float rounding).
 
-    packed: contiguous uint8 [N, K // 2]; scale, minimum: float16 [N, K // group_size]. block_k must
-    divide the group size (32 divides every allowed one); num_splits slices K (split-K; None:
+    packed: uint8 [N, K // 2]; scale, minimum: float16 [N, K // group_size] (made contiguous if they are not). block_k must
+    divide the group size (default: ``int4_block_k``); num_splits slices K (split-K; None:
     ``num_k_splits`` chooses). Falls back to the reference off CUDA without TRITON_INTERPRET=1.
     """
     n, k = packed.shape[0], packed.shape[1] * 2
     group_size = k // scale.shape[1]
+    block_k = block_k or int4_block_k(x.dtype, group_size)
     if group_size % block_k:
         raise ValueError(f"block_k ({block_k}) must divide the group size ({group_size})")
     if not use_triton(x):
         return int4_matmul_reference(x, packed, scale, minimum)
+    packed, scale, minimum = packed.contiguous(), scale.contiguous(), minimum.contiguous()  # one stride per row
     x2, out, grid, k_per_split = _launch(x, n, k, block_m, block_n, block_k, num_splits)
     _int4_matmul_kernel[grid](x2, packed, scale, minimum, out, x2.shape[0], n, k, k_per_split,
                               x2.stride(0), packed.stride(0), scale.stride(0), out.stride(1), out.stride(0),

@@ -6,6 +6,7 @@ the model then has one way to load them.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import hashlib
@@ -32,6 +33,10 @@ KNOWN_MODELS = {
     "HuggingFaceTB/SmolLM2-135M-Instruct": _SMOLLM2_135M,
 }
 DEFAULT_MODEL = "smollm2-135m"
+# what save_hf_checkpoint writes (the tokenizer's files as transformers saves them, for the tokenizers it may hold)
+CHECKPOINT_FILES = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+                    "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                    "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 # what keeps other known families out, said by name rather than as "unsupported"
 MISSING_FEATURES = {"deepseek_v2": "DeepSeek's multi-head latent attention (MLA) and grouped expert routing",
@@ -124,10 +129,12 @@ GGUF_BLOCK_TO_HF = {
 def gguf_name_to_hf(name: str) -> str:
     if name in GGUF_TO_HF:
         return GGUF_TO_HF[name]
-    prefix, layer, rest = name.split(".", 2)  # blk.7.attn_q.weight
-    part, kind = rest.rsplit(".", 1)
-    if prefix != "blk" or part not in GGUF_BLOCK_TO_HF:
-        raise ValueError(f"unexpected tensor {name!r} in GGUF file")
+    pieces = name.split(".", 2)  # blk.7.attn_q.weight
+    part, _, kind = pieces[-1].rpartition(".")
+    if len(pieces) != 3 or pieces[0] != "blk" or not pieces[1].isdigit() or part not in GGUF_BLOCK_TO_HF:
+        raise ValueError(f"unexpected tensor {name!r} in GGUF file: a llama model's are {sorted(GGUF_TO_HF)} and "
+                         f"blk.N.{{{', '.join(GGUF_BLOCK_TO_HF)}}}.weight")
+    layer = pieces[1]
     return f"model.layers.{layer}.{GGUF_BLOCK_TO_HF[part]}.{kind}"
 
 
@@ -164,30 +171,40 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32,
         raise ValueError(f"{path!r} has no token embedding tensor 'token_embd.weight'")
     n_heads = required("llama.attention.head_count")
     n_kv = meta.get("llama.attention.head_count_kv", n_heads)
-    hidden = required("llama.embedding_length")
-    config = ModelConfig(
-        vocab_size=file.tensors["token_embd.weight"].shape[0],
-        hidden_size=hidden,
-        intermediate_size=required("llama.feed_forward_length"),
-        num_layers=required("llama.block_count"),
-        num_heads=n_heads,
-        num_kv_heads=n_kv,
-        head_dim=hidden // n_heads,
-        rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=meta.get("llama.context_length", 2048),
-        tie_word_embeddings="output.weight" not in file.tensors,
-    )
+    hidden, ffn, layers = (required(f"llama.{key}") for key in ("embedding_length", "feed_forward_length", "block_count"))
+    if not (isinstance(n_heads, int) and n_heads >= 1):
+        raise ValueError(f"{path}: llama.attention.head_count must be an integer >= 1, got {n_heads!r}")
+    try:
+        config = ModelConfig(
+            vocab_size=file.tensors["token_embd.weight"].shape[0],
+            hidden_size=hidden,
+            intermediate_size=ffn,
+            num_layers=layers,
+            num_heads=n_heads,
+            num_kv_heads=n_kv,
+            head_dim=hidden // n_heads,
+            rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
+            rms_norm_eps=float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+            max_position_embeddings=meta.get("llama.context_length", 2048),
+            tie_word_embeddings="output.weight" not in file.tensors,
+        )
+    except ValueError as exc:  # a field ModelConfig refuses (zero heads, a negative size...)
+        raise ValueError(f"{path}: {exc}") from None
     if check_config is not None:
         check_config(config)
     weights: dict[str, torch.Tensor] = {}
     for name, tensor in file.tensors.items():
+        hf_name = gguf_name_to_hf(name)
         array = dequantize(tensor)
-        if name.startswith("blk.") and ".attn_q." in name:
-            array = unpermute_qk(array, n_heads)
-        elif name.startswith("blk.") and ".attn_k." in name:
-            array = unpermute_qk(array, n_kv)
-        weights[gguf_name_to_hf(name)] = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+        try:
+            if name.startswith("blk.") and ".attn_q." in name:
+                array = unpermute_qk(array, n_heads)
+            elif name.startswith("blk.") and ".attn_k." in name:
+                array = unpermute_qk(array, n_kv)
+        except ValueError:  # numpy's reshape: rows that are not heads x head_dim
+            raise ValueError(f"{path}: tensor {name!r} has shape {tuple(array.shape)}, which does not split into "
+                             f"heads of {config.head_dim} rows") from None
+        weights[hf_name] = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
     return LoadedModel(config, weights, gguf_tokenizer(path), path)
 
 
@@ -320,8 +337,10 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32,
     try:
         hf = json.loads(config_file.read_text())
         config = hf_config_to_model_config(hf)
-    except (json.JSONDecodeError, KeyError) as exc:
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ZeroDivisionError) as exc:
         raise ValueError(f"{config_file} is not a valid model config ({exc!r})") from exc
+    except ValueError as exc:  # a field ModelConfig refuses, or an architecture minfer does not run
+        raise ValueError(f"{config_file}: {exc}") from exc
     quantization = hf.get("quantization_config")
     if quantization is not None:
         check_quantization_config(quantization, config, str(config_file))
@@ -362,6 +381,9 @@ def save_hf_checkpoint(loaded: LoadedModel, folder: str) -> None:
     from safetensors.torch import save_file
 
     os.makedirs(folder, exist_ok=True)
+    for name in CHECKPOINT_FILES:  # an earlier checkpoint's, in a folder written over: none of its files may linger
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, name))
     tensors = {k: v.contiguous() for k, v in loaded.weights.items()}
     if loaded.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
@@ -373,10 +395,7 @@ def save_hf_checkpoint(loaded: LoadedModel, folder: str) -> None:
         hf["quantization_config"] = loaded.quantization
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
-    generation_config = os.path.join(folder, "generation_config.json")
     if loaded.eos_token_ids:
-        with open(generation_config, "w") as f:
+        with open(os.path.join(folder, "generation_config.json"), "w") as f:
             json.dump({"eos_token_id": list(loaded.eos_token_ids)}, f)
-    elif os.path.exists(generation_config):  # an earlier checkpoint's, in a folder written over
-        os.remove(generation_config)
     tok.save_pretrained(folder)

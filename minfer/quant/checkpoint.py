@@ -150,12 +150,21 @@ def _is_quantized_checkpoint(folder: Path) -> bool:
         return False
 
 
+def stored_layout(out_features: int, in_features: int, group_size: Optional[int]) -> dict[str, tuple[tuple, torch.dtype]]:
+    """The tensors a quantized matrix is saved as, {suffix: (shape, dtype)}: int4 with a group size, else int8."""
+    if group_size is None:
+        return {"qweight": ((out_features, in_features), torch.int8), "scale": ((out_features,), torch.float32)}
+    groups = (out_features, in_features // group_size)
+    return {"qweight": ((out_features, in_features // 2), torch.uint8), "scale": (groups, torch.float16),
+            "minimum": (groups, torch.float16)}
+
+
 def build_quantized_model(loaded: LoadedModel, dtype: torch.dtype = torch.float32,
                           device: Union[str, torch.device] = "cpu", backend: str = "auto") -> LlamaModel:
     """The model of a quantized checkpoint (`load_model` of its folder), its quantized layers as stored."""
     entry, weights = loaded.quantization, dict(loaded.weights)
     model = LlamaModel.empty(loaded.config, dtype, device)
-    backend = resolve_backend(backend, torch.device(device))
+    resolve_backend(backend, torch.device(device))  # a bad backend fails before any layer is built
     matrices = [(layer, block_name, name, f"model.layers.{i}.{block_name}.{name}")
                 for i, layer in enumerate(model.layers) for block_name, name in LAYER_LINEARS]
     if entry["head"] == "int8":
@@ -163,12 +172,18 @@ def build_quantized_model(loaded: LoadedModel, dtype: torch.dtype = torch.float3
     int4 = entry["method"] in INT4_METHODS
     for parent, block_name, name, prefix in matrices:
         owner = getattr(parent, block_name) if block_name else parent
-        bias = getattr(owner, name).bias
+        float_layer = getattr(owner, name)
+        expected = stored_layout(float_layer.out_features, float_layer.in_features,
+                                 entry["group_size"] if int4 and block_name else None)
         try:  # copied: safetensors' tensors can start at addresses PyTorch's int8/int4 CPU kernels cannot read
-            stored = [weights.pop(f"{prefix}.{part}").to(device, copy=True)
-                      for part in (("qweight", "scale", "minimum") if int4 and block_name else ("qweight", "scale"))]
+            stored = [weights.pop(f"{prefix}.{part}").to(device, copy=True) for part in expected]
         except KeyError as exc:
             raise ValueError(f"{loaded.path}: the checkpoint is missing {exc.args[0]}") from exc
+        for (part, (shape, dtype)), tensor in zip(expected.items(), stored):
+            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                raise ValueError(f"{loaded.path}: {prefix}.{part} is {tensor.dtype} {tuple(tensor.shape)}, expected "
+                                 f"{dtype} {shape} for this model's config and quantization_config")
+        bias = float_layer.bias
         quantized = (Int4Linear.from_packed(*stored, bias, backend) if int4 and block_name
                      else Int8Linear(*stored, bias, backend))
         setattr(owner, name, quantized)

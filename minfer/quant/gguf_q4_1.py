@@ -50,6 +50,10 @@ def read_q4_1(path: str, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.T
 def q4_1_block(path: str, name: str, row: int = 0, block: int = 0) -> dict:
     """One 20-byte block: its raw bytes, d, m, the 32 codes and the 32 weights d * q + m (float32)."""
     raw = np.asarray(_tensor(path, name).data)
+    rows, blocks = raw.shape[0], raw.shape[1] // Q4_1_BLOCK_BYTES
+    if not (0 <= row < rows and 0 <= block < blocks):
+        raise ValueError(f"{name} has {rows} rows of {blocks} Q4_1 blocks: row must be in [0, {rows}) and block in "
+                         f"[0, {blocks}), got row={row}, block={block}")
     data = raw[row, block * Q4_1_BLOCK_BYTES:(block + 1) * Q4_1_BLOCK_BYTES].tobytes()
     d, m = np.frombuffer(data[0:4], dtype=np.float16)
     qs = np.frombuffer(data[4:], dtype=np.uint8)

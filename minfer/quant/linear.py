@@ -22,9 +22,9 @@ Which matmul runs (``backend``)
 - ``"reference"``: dequantize the whole matrix, then matmul (``minfer.kernels.quant_matmul``).
 - ``"torch"``: PyTorch's own CPU kernels (``minfer.quant.torch_ops``), bfloat16 activations.
 - ``"triton"``: our kernels that dequantize tile by tile inside the matmul (CUDA).
-- ``"auto"`` (default): ``"triton"`` on CUDA, ``"torch"`` on CPU; a layer the CPU int4 kernel
-  cannot take (out_features not a multiple of 16) falls back to ``"reference"`` and says why in
-  its ``fallback_reason``.
+- ``"auto"`` (default): ``"triton"`` on CUDA, ``"torch"`` on CPU; a layer PyTorch's CPU kernel
+  cannot take (int4: out_features not a multiple of 16; int8: in_features not a multiple of 8)
+  falls back to ``"reference"`` and says why in its ``fallback_reason``.
 """
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ from minfer.config import QUANTIZATION_METHODS, check_quantization_args
 from minfer.quant.awq import CLIP_LINEARS, LAYER_LINEARS, apply_awq
 from minfer.quant.gptq import apply_gptq
 from minfer.quant.nf4 import Nf4Linear
-from minfer.quant.torch_ops import dequantize_int4_cpu, int4_cpu_unsupported, int4_mm_cpu, int8_mm_cpu, pack_int4_for_cpu
+from minfer.quant.torch_ops import (dequantize_int4_cpu, int4_cpu_unsupported, int4_mm_cpu, int8_cpu_unsupported, int8_mm_cpu,
+                                    pack_int4_for_cpu)
 from minfer.formats.weights import (INT4_GROUP_SIZES, dequantize_int4, dequantize_int8, pack_int4,
                                   quantize_int4_groupwise, quantize_int8_per_channel)
 
@@ -64,21 +65,32 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def backend_for_layer(backend: str, device: torch.device, cpu_unsupported: Optional[str]) -> tuple[str, Optional[str]]:
+    """(backend, fallback_reason) for one layer: "auto" falls back to the reference where PyTorch's CPU kernel
+    cannot take the layer's shape (cpu_unsupported says why); asking for "torch" there is an error."""
+    resolved = resolve_backend(backend, device)
+    reason = cpu_unsupported if resolved == "torch" else None
+    if reason and backend == "torch":
+        raise ValueError(f"backend 'torch' cannot run this layer: {reason}")
+    return ("reference" if reason else resolved), reason
+
+
 class Int8Linear(nn.Module):
     """Drop-in for nn.Linear: int8 weight [out, in] and one float32 scale per output channel."""
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[nn.Parameter], backend: str) -> None:
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[nn.Parameter], backend: str = "auto") -> None:
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
         self.bias = bias
-        self.backend = backend
+        self.backend, self.fallback_reason = backend_for_layer(backend, qweight.device,
+                                                               int8_cpu_unsupported(self.in_features))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, backend: str = "auto") -> "Int8Linear":
         q, scale = quantize_int8_per_channel(linear.weight.detach())
-        return cls(q, scale, linear.bias, resolve_backend(backend, linear.weight.device))
+        return cls(q, scale, linear.bias, backend)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight matrix this layer stands for."""
@@ -131,12 +143,7 @@ class Int4Linear(nn.Module):
     def from_packed(cls, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                     bias: Optional[nn.Parameter], backend: str = "auto") -> "Int4Linear":
         """A layer from codes already chosen (GPTQ, a saved checkpoint), on the backend that can run it."""
-        resolved = resolve_backend(backend, packed.device)
-        reason = int4_cpu_unsupported(packed.shape[0]) if resolved == "torch" else None
-        if reason and backend == "torch":
-            raise ValueError(f"backend 'torch' cannot run this layer: {reason}")
-        if reason:  # "auto": the reference still works, only slower
-            resolved = "reference"
+        resolved, reason = backend_for_layer(backend, packed.device, int4_cpu_unsupported(packed.shape[0]))
         return cls(packed, scale, minimum, bias, resolved, reason)
 
     def dequantize(self) -> torch.Tensor:
@@ -195,6 +202,8 @@ def quantize_model(model: nn.Module, method: str, group_size: Optional[int] = No
     if method is None:
         raise ValueError(f"quantize_model needs a method: one of {QUANTIZATION_METHODS}")
     check_quantization_args(method, group_size if method != "int8" else None)
+    if getattr(model, "quantization", None) is not None:
+        raise ValueError(f"this model is already quantized ({model.quantization['method']}): quantize the float model")
     if model.config.sparse_layers:  # the experts are stacked tensors, not the nn.Linear layers quantized here
         raise ValueError(f"quantization={method!r} does not support mixture-of-experts models yet (minfer.models.moe)")
     if head not in ("int8", None):

@@ -51,6 +51,14 @@ def int8_mm_cpu(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
     return out.to(x.dtype).reshape(*x.shape[:-1], q.shape[0])
 
 
+def int8_cpu_unsupported(in_features: int) -> str | None:
+    """Why the CPU int8 kernel cannot take a layer of this shape, or None if it can. (Its loops read 8 inputs at
+    a time: other widths give wrong sums, NaN, or a crash; torch 2.13.)"""
+    if in_features % 8:
+        return f"PyTorch's CPU int8 kernel needs in_features divisible by 8, got {in_features}"
+    return None
+
+
 def int4_cpu_unsupported(out_features: int) -> str | None:
     """Why the CPU int4 kernel cannot take a layer of this shape, or None if it can."""
     if out_features % 16:

@@ -85,7 +85,8 @@ def build_app(llm: LLM, served_model_name: str, api_key: Optional[str] = None,
             raise ValueError("suffix is not supported by minfer")
         if body.echo and body.logprobs is not None:
             raise ValueError("echo together with logprobs is not supported by minfer: ask for one of them")
-        group = await engine.add_requests(body.prompts(), body.sampling_params(body.max_tokens, body.logprobs))
+        group = await engine.add_requests(body.prompts(), body.sampling_params(body.max_tokens, body.logprobs),
+                                          refuse_beyond_context=True)
         response_id, created, model = api.new_id("cmpl"), api.now(), served_model_name
 
         async def echo_text(output: RequestOutput) -> str:
@@ -96,7 +97,7 @@ def build_app(llm: LLM, served_model_name: str, api_key: Optional[str] = None,
             return await engine.run_on_engine_thread(llm.tokenizer.decode, output.prompt_token_ids)
 
         def choice(i: int, c, text: str, prefix: str = "", logprobs_from: int = 0) -> dict:
-            logprobs = None if body.logprobs is None else api.completion_logprobs(c.logprobs[logprobs_from:], len(prefix))
+            logprobs = None if body.logprobs is None else api.completion_logprobs(c.logprobs, logprobs_from)
             return {"index": i * body.n + c.index, "text": prefix + text, "logprobs": logprobs, **api.finish_fields(c)}
 
         if body.stream:
@@ -109,8 +110,8 @@ def build_app(llm: LLM, served_model_name: str, api_key: Optional[str] = None,
                         if delta is None and not prefix:
                             continue
                         text, logprobs_from = delta or ("", len(c.logprobs or []))
-                        yield _sse({"id": response_id, "object": "text_completion", "created": created,
-                                    "model": model, "choices": [choice(i, c, text, prefix, logprobs_from)]})
+                        yield _sse({"id": response_id, "object": "text_completion", "created": created, "model": model,
+                                    "choices": [choice(i, c, text, prefix, logprobs_from)]})
                     if output.finished:
                         finals[i] = output
                 if body.include_usage:
@@ -130,7 +131,7 @@ def build_app(llm: LLM, served_model_name: str, api_key: Optional[str] = None,
         top_n = body.logprobs_count()
         params = body.sampling_params(body.token_limit(), top_n)
         prompt = await engine.run_on_engine_thread(llm.chat_prompt, body.conversation(), body.add_generation_prompt)
-        group = await engine.add_requests([prompt], params)
+        group = await engine.add_requests([prompt], params, refuse_beyond_context=True)
         response_id, created, model = api.new_id("chatcmpl"), api.now(), served_model_name
 
         def logprobs(c, start: int = 0) -> Optional[dict]:
@@ -232,7 +233,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        kind = {401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed"}.get(exc.status_code, "Error")
+        kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                405: "MethodNotAllowed"}.get(exc.status_code, "Error")
         return _error(exc.status_code, str(exc.detail), kind)
 
     @app.exception_handler(QueueFull)
@@ -250,6 +252,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestFailed)
     async def failed(request: Request, exc: RequestFailed) -> JSONResponse:
         return _error(500, str(exc), "InternalServerError")
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:  # a bug: still OpenAI's error shape
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}", "InternalServerError")
 
 
 class Gate:

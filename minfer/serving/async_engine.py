@@ -111,20 +111,28 @@ class AsyncEngine:
         """Run fn(*args) on the engine's thread, between steps (e.g. tokenizer work)."""
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
-    async def add_requests(self, prompts: list[PromptType],
-                           params: Union[SamplingParams, list[SamplingParams]]) -> RequestGroup:
+    async def add_requests(self, prompts: list[PromptType], params: Union[SamplingParams, list[SamplingParams]],
+                           refuse_beyond_context: bool = False) -> RequestGroup:
         """Check and queue the prompts (all or none); their outputs arrive on one queue.
 
-        Raises ValueError for a bad prompt or parameter, QueueFull or ShuttingDown."""
+        Raises ValueError for a bad prompt or parameter (refuse_beyond_context: see `LLM.add_requests`),
+        QueueFull or ShuttingDown."""
         if not self.accepting:
             raise ShuttingDown("the server is shutting down and takes no new requests")
-        if self.max_waiting_requests is not None and self.num_waiting + len(prompts) > self.max_waiting_requests:
-            raise QueueFull(f"{self.num_waiting} requests are waiting already (the limit is {self.max_waiting_requests}): "
-                            "try again shortly")
+        if self.max_waiting_requests is not None:
+            params_list = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+            sequences = sum(p.n if isinstance(p, SamplingParams) else 1 for p in params_list)  # n completions wait apart
+            if sequences > self.max_waiting_requests:
+                raise ValueError(f"this request would add {sequences} sequences (prompts x n), more than may ever wait "
+                                 f"at once ({self.max_waiting_requests}, the server's --max-waiting-requests): send "
+                                 "fewer prompts or a smaller n")
+            if self.num_waiting + sequences > self.max_waiting_requests:
+                raise QueueFull(f"{self.num_waiting} sequences are waiting already and this request adds {sequences} "
+                                f"(the limit is {self.max_waiting_requests}): try again shortly")
         queue: asyncio.Queue = asyncio.Queue()
 
         def add() -> list[str]:  # on the engine thread: the queue is known before any step can fill it
-            request_ids = self.llm.add_requests(prompts, params)
+            request_ids = self.llm.add_requests(prompts, params, refuse_beyond_context=refuse_beyond_context)
             self._queues.update(dict.fromkeys(request_ids, queue))
             return request_ids
 

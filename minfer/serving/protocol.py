@@ -13,7 +13,8 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from minfer.logprobs import Logprob
+from minfer.llm import message_text
+from minfer.logprobs import MAX_LOGPROBS, Logprob
 from minfer.outputs import CompletionOutput, RequestOutput
 from minfer.sampling_params import SamplingParams
 
@@ -69,7 +70,7 @@ class _Sampling(_Strict):
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = 16  # OpenAI's default for completions
-    logprobs: Optional[int] = Field(default=None, ge=0)
+    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: Optional[str] = None
 
@@ -91,15 +92,8 @@ class ChatMessage(_Strict):
     name: Optional[str] = None
 
     def text(self) -> str:
-        """The content as text: a string, or the text parts of a list (images are not supported)."""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"message content parts must be {{'type': 'text', 'text': str}}, got {part!r}")
-            parts.append(part["text"])
-        return "".join(parts)
+        """The content as text: a string, or the text parts of a list joined by newlines (images are not supported)."""
+        return message_text(self.content)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -107,7 +101,7 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: Optional[int] = None  # chat's default: up to the context window
     max_completion_tokens: Optional[int] = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(default=None, ge=0)
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
 
     def conversation(self) -> list[dict]:
@@ -146,15 +140,19 @@ def usage(outputs: list[RequestOutput]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_logprobs(entries: list[dict[int, Logprob]], text_offset: int) -> dict:
-    """The completions endpoint's logprobs: the chosen tokens, their logprobs, and the top alternatives."""
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    for entry in entries:
+def completion_logprobs(entries: list[dict[int, Logprob]], start: int = 0) -> dict:
+    """The completions endpoint's logprobs of entries[start:]: the chosen tokens, their logprobs, the top
+    alternatives, and where each token starts in the choice's text, counted over every entry, so that a
+    streamed chunk's offsets continue the earlier chunks'. (No echoed prompt comes before: echo together
+    with logprobs is refused.)"""
+    tokens, token_logprobs, top, offsets, text_offset = [], [], [], [], 0
+    for position, entry in enumerate(entries):
         chosen = next(iter(entry.values()))  # the sampled token comes first (minfer.logprobs)
-        tokens.append(chosen.decoded_token)
-        token_logprobs.append(chosen.logprob)
-        top.append({lp.decoded_token: lp.logprob for lp in entry.values()})
-        offsets.append(text_offset)
+        if position >= start:
+            tokens.append(chosen.decoded_token)
+            token_logprobs.append(chosen.logprob)
+            top.append({lp.decoded_token: lp.logprob for lp in entry.values()})
+            offsets.append(text_offset)
         text_offset += len(chosen.decoded_token or "")
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
