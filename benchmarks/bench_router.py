@@ -94,7 +94,7 @@ def markdown(result: dict, command: str) -> str:
               f"seconds (the routed run's answers over the full model's). Beside it the textbook example, 70 % cheap "
               f"at c = 0.1: 0.7 × 0.1 + 0.3 × 1 = 0.37."]
     for s in studies.values():  # the sweeps worth reading: candidates that get at least half of what the full model gets
-        if s.accuracy >= full_acc / 2 and s.auc(s.signal) is not None:
+        if s.accuracy >= full_acc / 2 and s.routable:
             lines += ["", f"Threshold sweep, {s.name} (signal {s.signal}, c = {s.cost_ratio:.2f}):", ""] + sweep_lines(s)
     lines += ["", f"Per kind of task at the operating point ({best.name}):", "",
               "| kind | full model right | cheap model right | routed cheap | served right |",

@@ -46,3 +46,16 @@ def test_report_from_saved_rows(tmp_path):
     bench_router.write_docs_section(text, str(page), bench_router.DOCS_START, bench_router.DOCS_END,
                                     heading="## Routing")
     assert text in page.read_text()
+
+
+def test_cheapest_study_skips_a_model_that_is_never_right():
+    """A near-free model that answers nothing right posts the lowest cost (c + 1 at its escalate-all point) yet
+    gives a router nothing to separate: the pick is the routable one, and a lone never-right model still gets one."""
+    saved = bench_router.saved_studies(json.loads(json.dumps(fake_run())))["int4-awq"]
+    routable = bench_router.RouterStudy("int8", 0.95, saved.cheap_rows, saved.full_rows)  # a dear cheap model
+    never_right = bench_router.RouterStudy("draft", 0.01, [{**r, "correct": False} for r in routable.cheap_rows],
+                                           routable.full_rows)
+    assert routable.routable and not never_right.routable and never_right.auc("min_prob") is None
+    assert never_right.operating_point.cost_with_classifier < routable.operating_point.cost_with_classifier
+    assert bench_router.cheapest_study([never_right, routable]) is routable
+    assert bench_router.cheapest_study([never_right]) is never_right

@@ -75,9 +75,14 @@ class RouterStudy:
     def confidences(self, signal: Optional[str] = None) -> list[float]:
         return [r[signal or self.signal] for r in self.cheap_rows]
 
+    @property
+    def routable(self) -> bool:
+        """Right on some tasks and wrong on others: only then has a confidence signal anything to separate."""
+        return any(self.cheap_correct) and not all(self.cheap_correct)
+
     def auc(self, signal: str) -> Optional[float]:
         """separation_auc of the signal, None when the cheap model is always right or always wrong."""
-        if all(self.cheap_correct) or not any(self.cheap_correct):
+        if not self.routable:
             return None
         return separation_auc(self.confidences(signal), self.cheap_correct)
 
@@ -145,8 +150,12 @@ class RouterStudy:
 
 
 def cheapest_study(studies: Sequence[RouterStudy]) -> RouterStudy:
-    """The cheap model whose operating point costs least, counting the cheap attempt every request pays."""
-    return min(studies, key=lambda s: s.operating_point.cost_with_classifier)
+    """The routable cheap model whose operating point costs least, counting the cheap attempt every request pays.
+
+    A model that is never right (or always right) gives its signals nothing to separate, so it is picked only
+    when no candidate is routable: its cost can still come out lowest when its timed c is small."""
+    candidates = [s for s in studies if s.routable] or list(studies)
+    return min(candidates, key=lambda s: s.operating_point.cost_with_classifier)
 
 
 def study_router(name: str, cheap: LlamaModel, full: LlamaModel, cheap_rows: list[dict], full_rows: list[dict],
