@@ -37,6 +37,13 @@ outputs and K steps of 256 bring int8 to 41 us (as fast as dense, from half the 
 K steps of 64 bring int4 to 245 us. (Those are for bfloat16 activations; float32 ones keep the shorter
 K steps, which their exact products need to fit in registers.) int4 stays far from its bytes' worth: each weight costs a shift, a
 mask, a multiply and an add on the CUDA cores before the tensor cores see it.
+Two rewrites of the int4 step were tried and not kept, judged by the SASS of the compiled K loop
+(sm_90, bfloat16, group 64, ``nvdisasm`` on Triton's cubin): loading each byte once and running two dots,
+over the even columns with the low nibbles and the odd columns with the high ones (297 instructions
+against 182), and on top of that multiplying the bare codes and applying the group's scale and minimum
+after the sum (318). The byte-to-float conversions and the layout shuffles they add cost more than the
+second load of each byte that they save. The fast int4 kernels convert with bit tricks instead (a code
+ORed into the mantissa of a float constant); that, and a GPU to time it, is the next step.
 
 Split-K: cutting K into ``num_splits`` slices (a third grid axis) gives still more programs: each sums
 its slice into a float32 partial, and a ``sum`` over the slices finishes the job, at the price of that
