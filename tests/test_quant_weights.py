@@ -253,17 +253,39 @@ def test_int4_falls_back_where_the_cpu_kernel_cannot_run():
         Int4Linear.from_linear(linear, 32, backend="torch")
 
 
+INT8_CPU_SHAPES = textwrap.dedent("""
+    import sys, torch
+    from minfer.quant.linear import Int8Linear
+    from minfer.kernels.quant_matmul import int8_matmul_reference
+    torch.manual_seed(0)
+    for in_features in map(int, sys.argv[1:]):
+        layer = Int8Linear.from_linear(torch.nn.Linear(in_features, 16, bias=False))
+        assert layer.backend == "torch", (in_features, layer.fallback_reason)
+        for rows in (1, 2, 3, 70):  # the kernel below 64 rows, the dense path from there
+            x = torch.randn(rows, in_features)
+            want = int8_matmul_reference(x, layer.qweight, layer.scale)
+            error = ((layer(x) - want).abs().max() / want.abs().max()).item()
+            assert error < 2e-2, (in_features, rows, error)
+    print("ok")
+""")
+
+
 def test_int8_falls_back_where_the_cpu_kernel_cannot_run():
-    # PyTorch's CPU int8 kernel reads inputs 8 at a time: 36 inputs gave wrong sums, NaN, or a crash
-    linear = torch.nn.Linear(36, 16, bias=False)
-    layer = Int8Linear.from_linear(linear)
-    assert layer.backend == "reference" and "divisible by 8" in layer.fallback_reason
-    for rows in (1, 3):
-        x = torch.randn(rows, 36)
-        torch.testing.assert_close(layer(x), x @ layer.dequantize().T)
-    with pytest.raises(ValueError, match="divisible by 8"):
-        Int8Linear.from_linear(linear, backend="torch")
-    assert Int8Linear.from_linear(torch.nn.Linear(40, 16)).backend == "torch"
+    # PyTorch's CPU int8 kernel reads inputs 16 at a time with AVX-512: 24, 36 or 40 inputs gave wrong sums, NaN,
+    # or a crash
+    for in_features in (36, 40):
+        linear = torch.nn.Linear(in_features, 16, bias=False)
+        layer = Int8Linear.from_linear(linear)
+        assert layer.backend == "reference" and "divisible by 16" in layer.fallback_reason
+        for rows in (1, 3):
+            x = torch.randn(rows, in_features)
+            torch.testing.assert_close(layer(x), x @ layer.dequantize().T)
+        with pytest.raises(ValueError, match="divisible by 16"):
+            Int8Linear.from_linear(linear, backend="torch")
+    # the widths it takes give the reference's sums (in a child process: a wrong width can crash it)
+    done = subprocess.run([sys.executable, "-c", INT8_CPU_SHAPES, "16", "48", "80", "576"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
 
 
 def test_quantizing_twice_is_refused(tiny):
