@@ -150,3 +150,30 @@ def test_token_ids_between_is_a_slice_of_tokens_and_drafts(llm):
     for start in range(len(known) + 1):
         for stop in range(start, len(known) + 2):
             assert seq.token_ids_between(start, stop) == known[start:stop]
+
+
+def test_a_stream_reads_each_logprob_entry_a_bounded_number_of_times(monkeypatch):
+    """A streamed completion's logprob offsets continue across chunks; each chunk's offsets come from the state
+    the stream keeps, not from a pass over all earlier entries (that was quadratic: 4 s of event loop for 8192
+    tokens)."""
+    from minfer.logprobs import Logprob
+    from minfer.outputs import CompletionOutput
+    from minfer.serving import protocol
+
+    reads = []
+    chosen = protocol._chosen
+    monkeypatch.setattr(protocol, "_chosen", lambda entry: reads.append(1) or chosen(entry))
+    words = [f"w{i} " for i in range(300)]
+    entries = [{i: Logprob(-0.5, 1, word)} for i, word in enumerate(words)]
+    state, offsets = protocol.StreamState(None), []
+    for n in range(1, len(words) + 1):
+        c = CompletionOutput(0, "".join(words[:n]), list(range(n)), "length" if n == len(words) else None,
+                             logprobs=entries[:n])
+        state.first((0, 0))
+        delta = state.delta((0, 0), c)
+        if delta is not None:
+            text, start, text_offset = delta
+            offsets += protocol.completion_logprobs(c.logprobs, start, text_offset)["text_offset"]
+    whole = protocol.completion_logprobs(entries)["text_offset"]
+    assert offsets == whole == [sum(map(len, words[:i])) for i in range(len(words))]
+    assert len(reads) <= 3 * len(words)  # stream and whole answer: each entry read a fixed number of times

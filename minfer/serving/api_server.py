@@ -96,8 +96,8 @@ def build_app(llm: LLM, served_model_name: str, api_key: Optional[str] = None,
                 return output.prompt
             return await engine.run_on_engine_thread(llm.tokenizer.decode, output.prompt_token_ids)
 
-        def choice(i: int, c, text: str, prefix: str = "", logprobs_from: int = 0) -> dict:
-            logprobs = None if body.logprobs is None else api.completion_logprobs(c.logprobs, logprobs_from)
+        def choice(i: int, c, text: str, prefix: str = "", logprobs_from: int = 0, text_offset: int = 0) -> dict:
+            logprobs = None if body.logprobs is None else api.completion_logprobs(c.logprobs, logprobs_from, text_offset)
             return {"index": i * body.n + c.index, "text": prefix + text, "logprobs": logprobs, **api.finish_fields(c)}
 
         if body.stream:
@@ -109,9 +109,9 @@ def build_app(llm: LLM, served_model_name: str, api_key: Optional[str] = None,
                         delta = state.delta((i, c.index), c)
                         if delta is None and not prefix:
                             continue
-                        text, logprobs_from = delta or ("", len(c.logprobs or []))
+                        text, logprobs_from, text_offset = delta or ("", len(c.logprobs or []), 0)
                         yield _sse({"id": response_id, "object": "text_completion", "created": created, "model": model,
-                                    "choices": [choice(i, c, text, prefix, logprobs_from)]})
+                                    "choices": [choice(i, c, text, prefix, logprobs_from, text_offset)]})
                     if output.finished:
                         finals[i] = output
                 if body.include_usage:
@@ -149,7 +149,7 @@ def build_app(llm: LLM, served_model_name: str, api_key: Optional[str] = None,
                         delta = state.delta((0, c.index), c)
                         if delta is None:
                             continue
-                        text, logprobs_from = delta
+                        text, logprobs_from, _ = delta
                         yield _sse({**head, "choices": [{"index": c.index, "delta": {"content": text} if text else {},
                                                          "logprobs": logprobs(c, logprobs_from), **api.finish_fields(c)}]})
                     final = output

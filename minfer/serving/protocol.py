@@ -140,19 +140,22 @@ def usage(outputs: list[RequestOutput]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_logprobs(entries: list[dict[int, Logprob]], start: int = 0) -> dict:
+def _chosen(entry: dict[int, Logprob]) -> Logprob:
+    return next(iter(entry.values()))  # the sampled token comes first (minfer.logprobs)
+
+
+def completion_logprobs(entries: list[dict[int, Logprob]], start: int = 0, text_offset: int = 0) -> dict:
     """The completions endpoint's logprobs of entries[start:]: the chosen tokens, their logprobs, the top
-    alternatives, and where each token starts in the choice's text, counted over every entry, so that a
-    streamed chunk's offsets continue the earlier chunks'. (No echoed prompt comes before: echo together
-    with logprobs is refused.)"""
-    tokens, token_logprobs, top, offsets, text_offset = [], [], [], [], 0
-    for position, entry in enumerate(entries):
-        chosen = next(iter(entry.values()))  # the sampled token comes first (minfer.logprobs)
-        if position >= start:
-            tokens.append(chosen.decoded_token)
-            token_logprobs.append(chosen.logprob)
-            top.append({lp.decoded_token: lp.logprob for lp in entry.values()})
-            offsets.append(text_offset)
+    alternatives, and where each token starts in the choice's text. text_offset is where entries[start]
+    starts (`StreamState` keeps it for a stream, so that a chunk's offsets continue the earlier chunks'
+    without a pass over them). (No echoed prompt comes before: echo together with logprobs is refused.)"""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for entry in entries[start:]:
+        chosen = _chosen(entry)
+        tokens.append(chosen.decoded_token)
+        token_logprobs.append(chosen.logprob)
+        top.append({lp.decoded_token: lp.logprob for lp in entry.values()})
+        offsets.append(text_offset)
         text_offset += len(chosen.decoded_token or "")
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
@@ -195,28 +198,32 @@ class StreamState:
 
     def __init__(self, stop: Optional[Union[str, list[str]]]) -> None:
         self.stop = stop
-        self._sent: dict[tuple[int, int], tuple[int, int]] = {}  # choice -> (characters, logprob entries) sent
+        # choice -> (characters, logprob entries) sent, and where the next entry's token starts in the text
+        self._sent: dict[tuple[int, int], tuple[int, int, int]] = {}
         self._done: set[tuple[int, int]] = set()
 
     def first(self, key: tuple[int, int]) -> bool:
         """True the first time a choice shows up (the moment for a role or an echoed prompt)."""
         if key in self._sent:
             return False
-        self._sent[key] = (0, 0)
+        self._sent[key] = (0, 0, 0)
         return True
 
-    def delta(self, key: tuple[int, int], c: CompletionOutput) -> Optional[tuple[str, int]]:
+    def delta(self, key: tuple[int, int], c: CompletionOutput) -> Optional[tuple[str, int, int]]:
+        """(new text, index of the first new logprob entry, where that entry's token starts in the text)."""
         if key in self._done:
             return None
-        chars, entries = self._sent.get(key, (0, 0))
+        chars, entries, offset = self._sent.get(key, (0, 0, 0))
         finished = c.finish_reason is not None
         text = streamable_text(c.text, finished, self.stop)
         if len(text) <= chars and not finished:
             return None
-        self._sent[key] = (len(text), len(c.logprobs or []))
+        new_entries = (c.logprobs or [])[entries:]
+        self._sent[key] = (len(text), entries + len(new_entries),
+                           offset + sum(len(_chosen(e).decoded_token or "") for e in new_entries))
         if finished:
             self._done.add(key)
-        return text[chars:], entries
+        return text[chars:], entries, offset
 
 
 def finish_fields(c: CompletionOutput) -> dict:
