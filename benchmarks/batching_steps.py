@@ -27,8 +27,9 @@ from minfer.testing import MODEL_SHAPES, random_checkpoint
 def tiny_llm(vocab_size: int, max_num_batched_tokens: int) -> LLM:
     """A 2-layer, 64-wide random Llama taking the tokenizer's ids, and a pool that never preempts these workloads."""
     shape = dataclasses.replace(MODEL_SHAPES["tiny"], vocab_size=vocab_size, max_position_embeddings=2048)
-    return LLM(random_checkpoint(tempfile.mkdtemp(), shape), dtype="float32", device="cpu",
-               num_gpu_blocks_override=8192, max_num_batched_tokens=max_num_batched_tokens)
+    with tempfile.TemporaryDirectory() as folder:  # the LLM holds what it read: the checkpoint can go
+        return LLM(random_checkpoint(folder, shape), dtype="float32", device="cpu",
+                   num_gpu_blocks_override=8192, max_num_batched_tokens=max_num_batched_tokens)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

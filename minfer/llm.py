@@ -274,9 +274,11 @@ class LLM:
             ids = self.tokenizer.encode(prompt)  # with the special tokens the tokenizer adds (Llama's BOS), as vLLM
             text = prompt
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids, text = list(prompt["prompt_token_ids"]), prompt.get("prompt")
-            if not ids or not all(isinstance(t, int) and 0 <= t < self.config.vocab_size for t in ids):
+            ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
+            if not isinstance(ids, (list, tuple)) or not ids or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.config.vocab_size for t in ids):
                 raise ValueError(f"prompt {index}: prompt_token_ids must be a non-empty list of ints in [0, {self.config.vocab_size})")
+            ids = list(ids)
         else:
             raise ValueError(f"prompt {index} must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, "
                              f"got {type(prompt).__name__}")

@@ -47,8 +47,9 @@ def test_non_string_prompt(llm):
         llm.generate(["fine", 123], use_tqdm=False)
     with pytest.raises(ValueError, match="prompts must be"):
         llm.generate([], use_tqdm=False)
-    with pytest.raises(ValueError, match="prompt_token_ids must be a non-empty list of ints"):
-        llm.generate({"prompt_token_ids": [1, 10**9]}, use_tqdm=False)
+    for bad in ([1, 10**9], None, 5, "12", [True, 3]):  # not a list, a string, a bool among the ids
+        with pytest.raises(ValueError, match="prompt 0: prompt_token_ids must be a non-empty list of ints"):
+            llm.generate({"prompt_token_ids": bad}, use_tqdm=False)
 
 
 def test_mismatched_sampling_params(llm):

@@ -13,7 +13,6 @@ def test_step_counts_follow_the_scheduler(capsys):
     rows = [line.strip("|").split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| 4 ")]
     (small, large) = [dict(zip(("seqs", "requests", "prompt", "static", "budget", "continuous", "ratio"),
                                map(float, row))) for row in rows]
-    assert small["requests"] == 8 and small["static"] == large["static"]
     # 8 requests, at most 4 running: a 64-token budget cuts the prompts (32 to 256 tokens) into more steps
     assert small["continuous"] > large["continuous"] >= 8
     assert small["continuous"] >= small["prompt"] / 64  # every prompt token passes through some step's budget

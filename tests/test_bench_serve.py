@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import statistics
 import sys
 import threading
@@ -231,6 +232,8 @@ def test_sustainable_rate_and_knee():
     plateau = [sweep_run(1, 0, 1.0), sweep_run(2, 0, 1.9), sweep_run(4, 0, 2.0), sweep_run(8, 0, 1.98)]
     assert latency.find_knee(plateau) == 2  # 1.9 is within 5% of the best 2.0: more load bought too little
     assert latency.find_knee([]) is None
+    never_in_time = [{"request_rate": r, "request_goodput": 0.0, "request_throughput": r} for r in (0.5, 1, 2)]
+    assert latency.find_knee(never_in_time) is None  # no rate served anything within the SLOs: no knee
 
 
 def test_past_knee():
@@ -246,7 +249,7 @@ def test_a_sweep_stops_past_the_knee(tokenizer):
         missed = serve.measure_server(url, FAKE_MODEL, tokenizer, args, "fake", [1000.0, 2000.0, math.inf], {"ttft": 10.0})
         met = serve.measure_server(url, FAKE_MODEL, tokenizer, args, "fake", [1000.0, 2000.0], {"ttft": 10000.0})
     assert [r["request_rate"] for r in missed["runs"]] == [1000.0] and missed["rates_skipped"] == [2000.0, math.inf]
-    assert missed["sustainable_rate"] is None and missed["max_goodput"] == 0.0
+    assert missed["sustainable_rate"] is None and missed["knee_rate"] is None and missed["max_goodput"] == 0.0
     assert [r["request_rate"] for r in met["runs"]] == [1000.0, 2000.0] and met["sustainable_rate"] == 2000.0
 
 
@@ -467,6 +470,15 @@ def test_launched_server_starts_answers_and_stops(tmp_path):
         with launch.launched_server([sys.executable, "-c", "import time; time.sleep(60)"], url, startup_timeout_s=1,
                                 log_path=tmp_path / "log3") as process:
             pass
+    # without a log_path the log is a temporary file, named in the error and not left open
+    open_files = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match=r"(?s)exited with code 3.*minfer_bench_serve_.*going away"):
+            with launch.launched_server([sys.executable, "-c", "print('going away'); raise SystemExit(3)"], url,
+                                        startup_timeout_s=30):
+                pass
+    if open_files is not None:
+        assert len(os.listdir("/proc/self/fd")) == open_files
 
 
 def test_server_commands():

@@ -137,12 +137,13 @@ def find_knee(runs: Sequence[dict], tolerance: float = KNEE_TOLERANCE) -> Option
 
     Past it, offering more load buys less than `tolerance` more goodput (or loses some, once requests
     miss their SLO): that is where the waiting line starts to grow faster than the server can serve it.
-    If the best goodput is at the highest rate swept, the knee may lie beyond the sweep."""
+    If the best goodput is at the highest rate swept, the knee may lie beyond the sweep. None when no run served
+    anything within its SLOs: such a sweep has no knee, only a server that was never in time."""
     points = sorted((run["request_rate"], run["request_goodput"] if run["request_goodput"] is not None
                      else run["request_throughput"]) for run in runs)
-    if not points:
+    best = max((g for _, g in points), default=0.0)
+    if best <= 0:
         return None
-    best = max(g for _, g in points)
     return next(rate for rate, g in points if g >= (1 - tolerance) * best)
 
 

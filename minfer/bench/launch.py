@@ -78,7 +78,10 @@ def launched_server(command: Sequence[str], base_url: str, env: Optional[dict] =
     """Start a server subprocess, wait until it answers, yield it; stop it on the way out, whatever happened.
 
     Its output goes to log_path (the tail is shown when it fails to start)."""
-    log_path = Path(log_path or tempfile.mkstemp(prefix="minfer_bench_serve_", suffix=".log")[1])
+    if log_path is None:
+        descriptor, log_path = tempfile.mkstemp(prefix="minfer_bench_serve_", suffix=".log")
+        os.close(descriptor)  # reopened below; the log stays for reading afterwards
+    log_path = Path(log_path)
     with open(log_path, "wb") as log:
         process = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    env={**os.environ, **(env or {})})

@@ -179,10 +179,10 @@ def build_quantized_model(loaded: LoadedModel, dtype: torch.dtype = torch.float3
             stored = [weights.pop(f"{prefix}.{part}").to(device, copy=True) for part in expected]
         except KeyError as exc:
             raise ValueError(f"{loaded.path}: the checkpoint is missing {exc.args[0]}") from exc
-        for (part, (shape, dtype)), tensor in zip(expected.items(), stored):
-            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+        for (part, (shape, stored_dtype)), tensor in zip(expected.items(), stored):
+            if tuple(tensor.shape) != shape or tensor.dtype != stored_dtype:
                 raise ValueError(f"{loaded.path}: {prefix}.{part} is {tensor.dtype} {tuple(tensor.shape)}, expected "
-                                 f"{dtype} {shape} for this model's config and quantization_config")
+                                 f"{stored_dtype} {shape} for this model's config and quantization_config")
         bias = float_layer.bias
         quantized = (Int4Linear.from_packed(*stored, bias, backend) if int4 and block_name
                      else Int8Linear(*stored, bias, backend))
