@@ -91,6 +91,9 @@ class LLM:
         eos = loaded.eos_token_ids  # the generation config's, beside the tokenizer's
         self.device, self.dtype = config.device, config.dtype
         self._seed_stream = torch.Generator().manual_seed(config.seed)
+        # the latest output of each request queued with add_request that generate() or stream() stepped: step() hands
+        # them over, so that their owners still see every request finish
+        self._held_outputs: dict[str, RequestOutput] = {}
         self._request_counter = 0
         self.tensor_parallel_size = config.tensor_parallel_size
         if config.tensor_parallel_size > 1:  # workers hold the other shards (minfer.engine.parallel)
@@ -172,8 +175,9 @@ class LLM:
         else:
             self._add_all(requests)
             try:
-                while self.engine.has_unfinished_requests():
-                    bar.update(sum(out.finished for out in self.engine.step()))
+                mine = {r.request_id for r in requests}
+                while self.engine.has_unfinished_requests() and not all(r.finished for r in requests):
+                    bar.update(sum(out.finished for out in self._step_for(mine)))
             except BaseException:  # Ctrl-C...: leave the engine clean for the next call
                 for request in requests:
                     self.engine.abort_request(request.request_id)
@@ -192,16 +196,18 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stream(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None) -> Iterator[RequestOutput]:
-        """Yield the request's output after every new token (cumulative text, as vLLM streams it)."""
+        """Yield the request's output after every new token (cumulative text, as vLLM streams it); done when it
+        finishes. Requests queued with add_request advance in the same steps; step() returns their outputs."""
         params = sampling_params or SamplingParams()
         if params.n != 1:
             raise ValueError(f"stream() generates one completion: n must be 1, got {params.n}")
         request_id = self.add_request(prompt, params)
         try:
             while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    if output.request_id == request_id:
-                        yield output
+                for output in self._step_for({request_id}):
+                    yield output
+                    if output.finished:
+                        return
         finally:  # the caller may stop reading early: free the request's blocks
             self.engine.abort_request(request_id)
 
@@ -223,8 +229,23 @@ class LLM:
         return [r.request_id for r in requests]
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the outputs of the requests that got a token in it."""
-        return self.engine.step()
+        """Run one engine step; returns the outputs of the requests that got a token in it (and, first, the latest
+        output of each request that advanced in a generate() or stream() since the last step())."""
+        held, self._held_outputs = self._held_outputs, {}
+        for output in self.engine.step():
+            held.pop(output.request_id, None)
+            held[output.request_id] = output
+        return list(held.values())
+
+    def _step_for(self, request_ids: set[str]) -> list[RequestOutput]:
+        """One engine step for generate() or stream(): the outputs of request_ids; the others' are held for step()."""
+        outputs = []
+        for output in self.engine.step():
+            if output.request_id in request_ids:
+                outputs.append(output)
+            else:
+                self._held_outputs[output.request_id] = output
+        return outputs
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request at any point; its KV blocks go back to the pool."""

@@ -118,6 +118,24 @@ def test_stream_yields_growing_text_that_ends_like_generate(llm):
     assert [c.finished for c in chunks].count(True) == 1
 
 
+def test_stream_and_generate_beside_queued_requests(llm):
+    """A stream ends with its own request, however long the requests queued beside it run; they advance in the
+    same steps, and step() hands over their latest outputs, so their owner still sees them finish."""
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    queued = llm.add_request(PROMPTS[1], long)
+    chunks = list(llm.stream(PROMPTS[0], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)))
+    assert len(chunks) == 3 and chunks[-1].finished and llm.has_unfinished_requests()  # the queued one still runs
+    generated = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(generated[0].outputs[0].token_ids) == 4 and llm.has_unfinished_requests()
+    seen = []
+    while llm.has_unfinished_requests():
+        seen += llm.step()
+    assert seen and {o.request_id for o in seen} == {queued}
+    (alone,) = llm.generate(PROMPTS[1], long, use_tqdm=False)
+    assert seen[-1].finished and seen[-1].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert len([o for o in seen if o.finished]) == 1
+
+
 def test_token_id_prompts_and_request_fields(llm):
     ids = llm.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
     by_ids = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
