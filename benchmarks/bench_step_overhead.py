@@ -13,6 +13,9 @@ output lengths: decoding the whole output again (what minfer did before) against
 incremental detokenizer (minfer/detokenizer.py). A third times drawing the sampled tokens of a
 batch of 8 from SmolLM2's vocabulary, torch.multinomial row by row (before) against
 `sample_from` (minfer/layers/sampler.py), beside a whole decode step of SmolLM2-135M at batch 8.
+A fourth times the logprobs of one more streamed token on the completions endpoint at several
+output lengths: its text offset summed over every earlier token (what the server did before)
+against the offset the stream keeps (`StreamState`, minfer/serving/protocol.py).
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ from minfer import LLM, SamplingParams
 from minfer.bench.common import best_time, machine_info, write_docs_section
 from minfer.detokenizer import IncrementalDetokenizer
 from minfer.layers.sampler import sample_from
+from minfer.logprobs import Logprob
+from minfer.serving.protocol import completion_logprobs
 from minfer.testing import tiny_hf_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,6 +82,22 @@ def text_cost_per_token(tokenizer, ids: list[int], lengths: list[int], repeats: 
     return rows
 
 
+def stream_logprobs_cost(tokenizer, ids: list[int], lengths: list[int], repeats: int = 3) -> list[tuple[int, float, float]]:
+    """(length, seconds for the logprobs of a stream's token number `length` when its text offset is summed over the
+    earlier tokens, seconds when the offset is known, as the stream keeps it)."""
+    entries = [{token: Logprob(-1.0, 1, tokenizer.decode([token]))} for token in ids[:max(lengths)]]
+    rows = []
+    for length in lengths:
+        chunk = entries[:length]
+
+        def offset_of_last() -> int:  # the walk over every earlier entry that the server made for each chunk
+            return sum(len(next(iter(e.values())).decoded_token) for e in chunk[:-1])
+        offset = offset_of_last()
+        rows.append((length, best_time(lambda: completion_logprobs(chunk, length - 1, offset_of_last()), repeats),
+                     best_time(lambda: completion_logprobs(chunk, length - 1, offset), repeats)))
+    return rows
+
+
 def sampling_costs(llm: LLM, batch: int = 8, repeats: int = 20) -> tuple[float, float, float]:
     """(seconds to draw `batch` tokens with torch.multinomial row by row, with sample_from, and one
     greedy decode step of the model at that batch size); the draws the best of `repeats`, the step one run."""
@@ -92,7 +113,7 @@ def sampling_costs(llm: LLM, batch: int = 8, repeats: int = 20) -> tuple[float, 
     return multinomial, inverse, seconds / (llm.engine.stats.steps - steps_before)
 
 
-def report(overheads: list[float], text_rows, sampling, batch: int, tokens: int) -> str:
+def report(overheads: list[float], text_rows, sampling, logprob_rows, batch: int, tokens: int) -> str:
     lines = [f"Engine work per step outside the forward pass, {batch} sequences generating {tokens} tokens each "
              f"(mean over {WINDOW} steps):", "", "| Output tokens so far | ms per step | Per sequence |", "|---|---:|---:|"]
     windows = [(start, overheads[start:start + WINDOW]) for start in range(0, len(overheads), WINDOW)]
@@ -112,6 +133,11 @@ def report(overheads: list[float], text_rows, sampling, batch: int, tokens: int)
               f"| `torch.multinomial`, row by row | {multinomial * 1e3:.2f} |",
               f"| `sample_from` (one uniform per row in the running sum) | {inverse * 1e3:.2f} ({multinomial / inverse:.0f}x less) |",
               f"| For scale: one decode step of SmolLM2-135M, float32, batch 8, greedy | {step * 1e3:.1f} |"]
+    lines += ["", "The logprobs of one more streamed token (`/v1/completions`, `logprobs=1`), side by side:", "",
+              "| Output length | Text offset summed over the earlier tokens | Offset kept by the stream | Ratio |",
+              "|---:|---:|---:|---:|"]
+    for length, summed, kept in logprob_rows:
+        lines.append(f"| {length} | {summed * 1e3:.3f} ms | {kept * 1e3:.4f} ms | {summed / kept:.0f}x |")
     return "\n".join(lines)
 
 
@@ -133,7 +159,7 @@ def main() -> None:
     ids = real.tokenizer.encode(text)[:args.tokens]
     lengths = [n for n in (128, 512, 1024, 2048, 4096, 8192) if n <= len(ids)]
     table = report(overheads, text_cost_per_token(real.tokenizer, ids, lengths), sampling_costs(real),
-                   args.batch, args.tokens)
+                   stream_logprobs_cost(real.tokenizer, ids, lengths), args.batch, args.tokens)
     info = machine_info()
     command = f"python benchmarks/bench_step_overhead.py --batch {args.batch} --tokens {args.tokens}"
     markdown = f"`{command}` ({info['cpu']}, {info['cpu_capability']}, one thread)\n\n{table}"

@@ -21,8 +21,10 @@ def test_one_overhead_per_decode_step_without_the_runner(tiny_dir, llm):
     assert tiny.engine.runner.run == run and not tiny.has_unfinished_requests()
     text_rows = bench.text_cost_per_token(llm.tokenizer, list(range(300, 600)), [100, 300], repeats=1)
     assert [row[0] for row in text_rows] == [100, 300] and all(w > 0 and i > 0 for _, w, i in text_rows)
-    table = bench.report(overheads * 300, text_rows, (0.010, 0.0005, 0.1), batch=2, tokens=40)
-    assert "| 1–256 |" in table and "(20x less)" in table and "| 100 |" in table
+    logprob_rows = bench.stream_logprobs_cost(llm.tokenizer, list(range(300, 600)), [100, 300], repeats=1)
+    assert [row[0] for row in logprob_rows] == [100, 300] and all(s > 0 and k > 0 for _, s, k in logprob_rows)
+    table = bench.report(overheads * 300, text_rows, (0.010, 0.0005, 0.1), [(300, 0.002, 0.0001)], batch=2, tokens=40)
+    assert "| 1–256 |" in table and "(20x less)" in table and "| 100 |" in table and "| 300 | 2.000 ms | 0.1000 ms | 20x |" in table
 
 
 def test_the_runner_is_put_back_when_a_step_fails(tiny_dir):
