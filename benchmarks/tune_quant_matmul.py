@@ -14,7 +14,6 @@ import argparse
 import itertools
 import json
 import sys
-import time
 from typing import Optional
 
 import torch
@@ -26,26 +25,17 @@ FIRST_DEFAULTS = {"int8": (64, 64, 1), "int4": (64, 32, 1)}  # (block_n, block_k
 
 
 def time_us(run) -> float:
-    """Microseconds per call (Triton's do_bench on CUDA; a few plain calls elsewhere, for a rehearsal)."""
-    if not torch.cuda.is_available():
-        start = time.perf_counter()
-        run()
-        return (time.perf_counter() - start) * 1e6
+    """Microseconds per call (Triton's do_bench)."""
     import triton.testing
 
     return triton.testing.do_bench(run, warmup=10, rep=40) * 1e3
 
 
 def tune(n: int, k: int, rows: int, group_size: int = 64, device: str = "cuda") -> list[dict]:
-    from minfer.formats.weights import pack_int4, quantize_int4_groupwise, quantize_int8_per_channel
+    from minfer.bench.kernels import quant_operands
     from minfer.kernels.quant_matmul import int4_matmul, int8_matmul
 
-    w = torch.randn(n, k, device=device) * 0.02
-    x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
-    dense = w.to(torch.bfloat16)
-    q8, s8 = quantize_int8_per_channel(w)
-    q4, s4, m4 = quantize_int4_groupwise(w, group_size)
-    packed = pack_int4(q4)
+    x, dense, (q8, s8), (packed, s4, m4) = quant_operands(n, k, rows, torch.bfloat16, group_size, device)
     calls = {"int8": lambda **tiles: int8_matmul(x, q8, s8, block_m=16, **tiles),
              "int4": lambda **tiles: int4_matmul(x, packed, s4, m4, block_m=16, **tiles)}
     want = {fmt: call(block_n=64, block_k=32, num_splits=1).float() for fmt, call in calls.items()}

@@ -369,6 +369,5 @@ def check_quantization_args(quantization: Optional[str], group_size: Optional[in
     if group_size is not None and quantization not in GROUPED_METHODS:
         raise ValueError(f"quantization_group_size applies to the int4 methods {INT4_METHODS} and 'nf4' only, "
                          f"got {group_size!r} with quantization={quantization!r}")
-    if group_size is not None and (not isinstance(group_size, int) or isinstance(group_size, bool)
-                                   or group_size not in INT4_GROUP_SIZES):
+    if group_size is not None and (not _is_positive_int(group_size) or group_size not in INT4_GROUP_SIZES):
         raise ValueError(f"quantization_group_size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")

@@ -175,9 +175,11 @@ class LLM:
         else:
             self._add_all(requests)
             try:
-                mine = {r.request_id for r in requests}
-                while self.engine.has_unfinished_requests() and not all(r.finished for r in requests):
-                    bar.update(sum(out.finished for out in self._step_for(mine)))
+                mine, remaining = {r.request_id for r in requests}, len(requests)
+                while remaining and self.engine.has_unfinished_requests():  # the engine reports each finish once
+                    finished = sum(out.finished for out in self._step_for(mine))
+                    bar.update(finished)
+                    remaining -= finished
             except BaseException:  # Ctrl-C...: leave the engine clean for the next call
                 for request in requests:
                     self.engine.abort_request(request.request_id)
@@ -231,6 +233,8 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs of the requests that got a token in it (and, first, the latest
         output of each request that advanced in a generate() or stream() since the last step())."""
+        if not self._held_outputs:
+            return self.engine.step()
         held, self._held_outputs = self._held_outputs, {}
         for output in self.engine.step():
             held.pop(output.request_id, None)

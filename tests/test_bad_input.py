@@ -80,8 +80,8 @@ def test_a_temperature_too_small_for_the_softmax_is_raised_to_the_floor_and_the_
     assert both[1].outputs[0].token_ids == alone[0].outputs[0].token_ids
 
 
-def test_a_request_too_big_for_the_pool_names_its_prompt():
-    small = LLM("smollm2-135m", dtype="float32", device="cpu", num_gpu_blocks_override=4, block_size=16)
+def test_a_request_too_big_for_the_pool_names_its_prompt(tiny_dir):
+    small = LLM(tiny_dir, dtype="float32", device="cpu", num_gpu_blocks_override=4, block_size=16)
     small.generate("warm up the request counter", SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(ValueError, match=r"^prompt 1: request \d+ may need 201 tokens of KV cache"):
         small.generate(["Hi", "Hello"], [SamplingParams(max_tokens=8), SamplingParams(max_tokens=200)], use_tqdm=False)

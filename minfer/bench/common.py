@@ -20,7 +20,7 @@ import platform
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, Union
 
 import torch
 
@@ -125,11 +125,11 @@ def quiet():
 
 
 def publish_report(markdown: str, args, json_text: Callable[[], str], update_docs: Callable[[str], None],
-                   plot: Optional[Callable[[str], None]] = None, plot_alt: str = "") -> int:
+                   plot: Callable[[str], None], plot_alt: str) -> int:
     """A benchmark script's last step, as its options ask: the plot (linked from the markdown), the notes
     appended, the markdown printed, the JSON written (not when --render re-reads one), the docs section
     replaced. `args` has plot, notes, json_path, render and update_docs. Returns 0, the exit status."""
-    if args.plot and plot is not None:
+    if args.plot:
         plot(args.plot)
         markdown += f"\n![{plot_alt}]({Path(args.plot).name})\n"
     if args.notes:

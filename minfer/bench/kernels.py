@@ -57,6 +57,17 @@ def kernel_bandwidth(num_seqs: int = 32, context_len: int = 4096, num_heads: int
     }
 
 
+def quant_operands(n: int, k: int, rows: int, dtype: torch.dtype = torch.bfloat16, group_size: int = 64,
+                   device: str = "cuda") -> tuple:
+    """Random operands for x [rows, K] @ W.T, W [N, K]: (x, W in dtype, (q8, s8) int8, (packed, s4, m4) int4)."""
+    from minfer.formats.weights import pack_int4, quantize_int4_groupwise, quantize_int8_per_channel
+
+    w = torch.randn(n, k, device=device) * 0.02
+    x = torch.randn(rows, k, device=device, dtype=dtype)
+    q4, s4, m4 = quantize_int4_groupwise(w, group_size)
+    return x, w.to(dtype), quantize_int8_per_channel(w), (pack_int4(q4), s4, m4)
+
+
 def quant_matmul_speed(n: int, k: int, rows: int = 1, dtype: torch.dtype = torch.bfloat16, group_size: int = 64,
                        device: str = "cuda") -> list[dict]:
     """Time x [rows, K] @ W.T for W [N, K] on CUDA: dense (``F.linear``), the int8 and int4 kernels unsplit
@@ -65,16 +76,10 @@ def quant_matmul_speed(n: int, k: int, rows: int = 1, dtype: torch.dtype = torch
     rows show whether cutting K pays for its two extra launches."""
     import triton.testing
 
-    from minfer.formats.weights import pack_int4, quantize_int4_groupwise, quantize_int8_per_channel
     from minfer.kernels.quant_matmul import (INT4_BLOCK_N, INT8_BLOCK_N, int4_block_k, int4_matmul, int8_block_k,
                                              int8_matmul, k_slices)
 
-    w = torch.randn(n, k, device=device) * 0.02
-    x = torch.randn(rows, k, device=device, dtype=dtype)
-    dense = w.to(dtype)
-    q8, s8 = quantize_int8_per_channel(w)
-    q4, s4, m4 = quantize_int4_groupwise(w, group_size)
-    packed = pack_int4(q4)
+    x, dense, (q8, s8), (packed, s4, m4) = quant_operands(n, k, rows, dtype, group_size, device)
     auto = {"int8": k_slices(x, n, k, 16, INT8_BLOCK_N, int8_block_k(dtype), None)[0],
             "int4": k_slices(x, n, k, 16, INT4_BLOCK_N, int4_block_k(dtype, group_size), None)[0]}
     cases = [("dense", None, lambda: torch.nn.functional.linear(x, dense), n * k * dense.element_size())]

@@ -23,7 +23,7 @@ Which matmul runs (``backend``)
 - ``"torch"``: PyTorch's own CPU kernels (``minfer.quant.torch_ops``), bfloat16 activations.
 - ``"triton"``: our kernels that dequantize tile by tile inside the matmul (CUDA).
 - ``"auto"`` (default): ``"triton"`` on CUDA, ``"torch"`` on CPU; a layer PyTorch's CPU kernel
-  cannot take (int4: out_features not a multiple of 16; int8: in_features not a multiple of 8)
+  cannot take (int4: out_features not a multiple of 16; int8: in_features not a multiple of 16)
   falls back to ``"reference"`` and says why in its ``fallback_reason``.
 """
 from __future__ import annotations

@@ -13,7 +13,6 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from minfer.llm import message_text
 from minfer.logprobs import MAX_LOGPROBS, Logprob
 from minfer.outputs import CompletionOutput, RequestOutput
 from minfer.sampling_params import SamplingParams
@@ -89,11 +88,7 @@ class CompletionRequest(_Sampling):
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer"]
     content: Union[str, list[dict]]
-    name: Optional[str] = None
-
-    def text(self) -> str:
-        """The content as text: a string, or the text parts of a list joined by newlines (images are not supported)."""
-        return message_text(self.content)
+    name: Optional[str] = None  # the content's text parts are checked and joined by LLM.apply_chat_template
 
 
 class ChatCompletionRequest(_Sampling):
@@ -106,7 +101,7 @@ class ChatCompletionRequest(_Sampling):
 
     def conversation(self) -> list[dict]:
         # "developer" is OpenAI's newer name for "system"
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in self.messages]
 
     def token_limit(self) -> Optional[int]:
         if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
