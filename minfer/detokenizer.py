@@ -25,6 +25,11 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        # A fast tokenizer's Rust decoder straight, when transformers would return its text unchanged:
+        # 1 µs a call instead of 7 (transformers converts and checks its arguments on every call)
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self._backend = (backend if backend is not None and hasattr(backend, "decode")
+                         and not getattr(tokenizer, "clean_up_tokenization_spaces", True) else None)
         self.token_ids: list[int] = []
         self.text = ""
         self.prefix_offset = 0  # the window decoded each step starts here: one committed token of context
@@ -32,6 +37,8 @@ class IncrementalDetokenizer:
         self.prefix_text = ""  # the text of token_ids[prefix_offset:read_offset], inside the window
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def append(self, token: int) -> str:

@@ -59,7 +59,8 @@ def generate_static_batch(model: LlamaModel, tokenizer, seqs: list[Sequence], eo
     all_ids = ids
     last_position = model.config.max_position_embeddings - 1  # finished rows step on, unread: keep them in RoPE's table
     for _ in range(steps):
-        tokens = sample_next_tokens(logits[:, -1], [s.params for s in seqs], [s.generator for s in seqs])
+        tokens = sample_next_tokens(logits[:, -1], [s.params for s in seqs], [s.seed for s in seqs],
+                                    [len(s.output_ids) for s in seqs])
         for row, (s, token) in enumerate(zip(seqs, tokens)):
             if not s.finished:
                 if s.logprobs is not None:  # of the raw distribution, before temperature and top-k/p

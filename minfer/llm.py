@@ -20,6 +20,7 @@ from minfer.engine.parallel import ParallelModelRunner, TensorParallelWorkers, c
 from minfer.generate import generate_static_batch
 from minfer.layers.attention import AttentionFn, get_attention_fn
 from minfer.layers.linear import pack_linears
+from minfer.layers.sampler import signed_seed
 from minfer.models.llama import LlamaModel
 from minfer.models.loader import DEFAULT_MODEL, load_model
 from minfer.moe.carve import carve_model
@@ -339,7 +340,7 @@ class LLM:
             room = self.max_model_len - len(ids)
             max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
             base_seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_stream))
-            seqs = [Sequence(ids, params, max_tokens, torch.Generator().manual_seed(_sequence_seed(base_seed, index)),
+            seqs = [Sequence(ids, params, max_tokens, signed_seed(_sequence_seed(base_seed, index)),
                              RequestMetrics(arrival, num_prompt_tokens=len(ids)), index) for index in range(params.n)]
             request = Request(str(self._request_counter - 1), text, ids, seqs)
             requests.append(request)

@@ -19,7 +19,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int  # params.max_tokens, capped by the context window
-    generator: torch.Generator
+    seed: int  # its random stream (int64): the sampler draws output token i at (seed, i)
     metrics: RequestMetrics
     index: int = 0
     request_id: str = ""
@@ -40,12 +40,21 @@ class Sequence:
     cumulative_logprob: Optional[float] = None
     prompt_logprobs: Optional[list] = None  # on completion 0 only: the n completions share one prompt
     detokenizer: Optional[IncrementalDetokenizer] = field(default=None, repr=False)  # made at the first token
+    _generator: Optional[torch.Generator] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
             self.logprobs, self.cumulative_logprob = [], 0.0
         if self.params.prompt_logprobs is not None and self.index == 0:
             self.prompt_logprobs = [None]  # the first prompt token has nothing before it
+
+    @property
+    def generator(self) -> torch.Generator:
+        """A CPU generator seeded with `seed`, made when first asked for: speculative decoding's
+        acceptance tests and draft samples, which run one sequence at a time, draw from it."""
+        if self._generator is None:
+            self._generator = torch.Generator().manual_seed(self.seed % 2**64)
+        return self._generator
 
     @property
     def needs_prompt_logits(self) -> bool:
@@ -66,6 +75,10 @@ class Sequence:
     def num_tokens(self) -> int:
         """len(token_ids), without building the list (the engine asks every step)."""
         return len(self.prompt_token_ids) + len(self.output_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_token_ids[-1]
 
     def token_ids_between(self, start: int, stop: int) -> list[int]:
         """(token_ids + spec_token_ids)[start:stop]: a step's input, without copying the whole sequence."""
@@ -109,6 +122,8 @@ class Sequence:
     def _truncate_at_stop_string(self, searched: int) -> bool:
         """End the text at the first stop string in it. The text before `searched` was searched at
         earlier tokens, so only a stop string ending in the new text can be there (each step costs the same)."""
+        if not self.params.stop:
+            return False
         hits = [(position, s) for s in self.params.stop_strings
                 if (position := self.text.find(s, max(0, searched - len(s) + 1))) >= 0]
         if not hits:

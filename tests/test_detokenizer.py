@@ -90,7 +90,7 @@ def test_each_token_decodes_a_few_tokens_not_the_whole_output(llm):
 
 def sequence(tokenizer, **params) -> Sequence:
     p = SamplingParams(**params)
-    return Sequence([1, 2, 3], p, p.max_tokens, torch.Generator(), RequestMetrics(0.0, num_prompt_tokens=3))
+    return Sequence([1, 2, 3], p, p.max_tokens, 0, RequestMetrics(0.0, num_prompt_tokens=3))
 
 
 def feed(seq: Sequence, ids: list[int], tokenizer) -> None:

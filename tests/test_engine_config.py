@@ -81,7 +81,7 @@ def test_fit_to_model_fills_the_window_and_the_budget():
 
 
 def _sequence(prompt: list[int], params: SamplingParams) -> Sequence:
-    return Sequence(prompt, params, 8, torch.Generator().manual_seed(0), RequestMetrics(0.0, num_prompt_tokens=len(prompt)))
+    return Sequence(prompt, params, 8, 0, RequestMetrics(0.0, num_prompt_tokens=len(prompt)))
 
 
 def test_runner_packs_prefills_then_decodes_with_their_slots_and_logits_rows():

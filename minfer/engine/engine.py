@@ -128,7 +128,7 @@ class Engine:
             return
         for seq in request.seqs:
             if not seq.finished:
-                self.scheduler.remove(seq)
+                self._retire(seq)
                 seq.finish_reason = "abort"
 
     def _fail(self, request: Request, exc: Exception) -> None:
@@ -136,8 +136,13 @@ class Engine:
         self.requests.pop(request.request_id, None)
         for seq in request.seqs:
             if not seq.finished:
-                self.scheduler.remove(seq)
+                self._retire(seq)
                 seq.finish_reason, seq.stop_reason = "error", f"{type(exc).__name__}: {exc}"
+
+    def _retire(self, seq: Sequence) -> None:
+        """A sequence leaves the engine (finished, aborted or failed): its blocks, its row of block tables."""
+        self.scheduler.remove(seq)
+        self.runner.release(seq)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -204,7 +209,7 @@ class Engine:
                 self._fail(request, exc)
                 continue
             if seq.finished:
-                self.scheduler.remove(seq)
+                self._retire(seq)
                 if self.proposer is not None:
                     self.proposer.release(seq)
         outputs = []

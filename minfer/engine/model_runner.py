@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from minfer.config import CPU_KV_CACHE_BYTES, EngineConfig
+from minfer.engine.block_tables import BlockTables
 from minfer.engine.buckets import bucket_for
 from minfer.engine.compiled_decode import MAX_COMPILED_TOKENS, CompiledDecode
 from minfer.engine.cuda_graphs import DecodeGraphs
@@ -111,6 +112,7 @@ class ModelRunner:
         self.graphs = DecodeGraphs(model, self.pool, config.max_num_seqs, blocks_per_sequence(config)) if graphs else None
         self.compiled = None if eager or graphs else CompiledDecode(model)
         self.pad_to_buckets = config.bucket_step_shapes or self.compiled is not None  # a graph per shape needs buckets
+        self.block_tables = BlockTables(blocks_per_sequence(config), rows=min(config.max_num_seqs, 1024))
 
     def _blocks_for_memory(self) -> int:
         """How many KV blocks fit the budget: kv_cache_memory_bytes if given; on CUDA, run one full-size
@@ -151,27 +153,40 @@ class ModelRunner:
     # ---------------------------------------------------------------- one step
     def prepare(self, batch: list[tuple[Sequence, int]]) -> PreparedStep:
         """Pack the scheduled (sequence, new tokens) pairs: prefill chunks first, then decodes by
-        increasing context length (the gather path serves decodes of similar lengths together)."""
+        increasing context length (the gather path serves decodes of similar lengths together).
+
+        Per sequence this is a few Python operations on numbers it already holds (a decode brings
+        one token, at one position); its block table comes from `BlockTables`, written only where it
+        changed. The tensors are made once per step, whatever the batch holds."""
         batch = sorted(batch, key=lambda item: (item[1] == 1, item[0].num_computed if item[1] == 1 else 0))
         input_ids, positions, slices, sample_at, sampled = [], [], [], [], []
         score_at, scored = [], []  # prompt positions whose logits score the next prompt token (prompt_logprobs)
         for seq, count in batch:
-            start = seq.num_computed
+            start, drafts = seq.num_computed, len(seq.spec_token_ids)
             slices.append(SequenceSlice(len(input_ids), count, start + count, seq.block_table))
-            if seq.needs_prompt_logits:  # positions [first, last) of this chunk, not scored before a preemption
-                first = max(start, len(seq.prompt_logprobs) - 1)
+            if seq.prompt_logprobs is not None and seq.needs_prompt_logits:  # positions [first, last) of this chunk
+                first = max(start, len(seq.prompt_logprobs) - 1)  # not scored before a preemption
                 last = min(start + count, len(seq.prompt_token_ids) - 1)
                 if first < last:
                     score_at += range(len(input_ids) + first - start, len(input_ids) + last - start)
                     scored.append((seq, first, last))
-            input_ids += seq.token_ids_between(start, start + count)  # draft tokens ride along to be verified
-            positions += range(start, start + count)
-            if start + count == seq.num_tokens + len(seq.spec_token_ids):  # all it knows: sample (and verify drafts)
-                rows = slice(len(sample_at), len(sample_at) + 1 + len(seq.spec_token_ids))
-                sample_at += range(len(input_ids) - 1 - len(seq.spec_token_ids), len(input_ids))
-                sampled.append((seq, rows))
+            if count == 1 and not drafts and start == seq.num_tokens - 1:  # a plain decode: its newest token
+                input_ids.append(seq.last_token_id)
+                positions.append(start)
+            else:
+                input_ids += seq.token_ids_between(start, start + count)  # draft tokens ride along to be verified
+                positions += range(start, start + count)
+            if start + count == seq.num_tokens + drafts:  # all it knows: sample (and verify drafts)
+                sampled.append((seq, slice(len(sample_at), len(sample_at) + 1 + drafts)))
+                if drafts:
+                    sample_at += range(len(input_ids) - 1 - drafts, len(input_ids))
+                else:
+                    sample_at.append(len(input_ids) - 1)
         device = self.device
-        paged = PagedStep(self.pool, slices, torch.tensor(positions), self.kernels_on(), self.config.bucket_step_shapes)
+        rows = self.block_tables.rows([seq for seq, _ in batch])
+        tables = self.block_tables.gather(rows, max(len(s.block_table) for s in slices))
+        paged = PagedStep(self.pool, slices, torch.tensor(positions), self.kernels_on(), self.config.bucket_step_shapes,
+                          tables)
         logits_rows = sample_at + score_at
         if self.pad_to_buckets:  # rows nobody reads: the model's, and the output head's
             padding = bucket_for(len(input_ids)) - len(input_ids)
@@ -179,6 +194,10 @@ class ModelRunner:
             logits_rows = logits_rows + [0] * (bucket_for(len(logits_rows)) - len(logits_rows)) if logits_rows else []
         return PreparedStep(torch.tensor([input_ids], device=device), torch.tensor([positions], device=device), paged,
                             torch.tensor(logits_rows, dtype=torch.long, device=device), sampled, scored)
+
+    def release(self, seq: Sequence) -> None:
+        """A sequence has left the engine: forget its block table's row."""
+        self.block_tables.release(seq)
 
     def _forward(self, step: PreparedStep) -> torch.Tensor:
         """The step's logits from the compiled decode step where it serves, else from the eager model."""
@@ -192,12 +211,18 @@ class ModelRunner:
         logits = self.graphs(step) if self.graphs is not None and self.graphs.serves(step) else None
         if logits is None:  # no graph for this step (or its recording failed)
             logits = self._forward(step)
-        plain = [i for i, (seq, _) in enumerate(step.sampled) if not seq.spec_token_ids]
-        seqs = [step.sampled[i][0] for i in plain]
-        drawn = sample_next_tokens(logits[[step.sampled[i][1].start for i in plain]], [s.params for s in seqs],
-                                   [s.generator for s in seqs]) if plain else []
         tokens: list[Optional[int]] = [None] * len(step.sampled)
-        for i, token in zip(plain, drawn):
-            tokens[i] = token
+        plain = [i for i, (seq, _) in enumerate(step.sampled) if not seq.spec_token_ids]
+        if len(plain) == len(step.sampled):  # no drafts to verify: the sampling rows are the first ones, in order
+            seqs = [seq for seq, _ in step.sampled]
+            rows = logits[:len(seqs)]
+        else:
+            seqs = [step.sampled[i][0] for i in plain]
+            rows = logits[[step.sampled[i][1].start for i in plain]]
+        if plain:
+            drawn = sample_next_tokens(rows, [s.params for s in seqs], [s.seed for s in seqs],
+                                       [len(s.output_ids) for s in seqs])
+            for i, token in zip(plain, drawn):
+                tokens[i] = token
         num_tokens = step.paged.num_tokens
         return StepOutput(step.sampled, tokens, step.scored, logits, num_tokens, step.input_ids.shape[1] - num_tokens)

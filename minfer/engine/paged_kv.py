@@ -152,20 +152,23 @@ class DecodeBucket:
 
 class PagedStep:
     def __init__(self, pool: KVPool, slices: list[SequenceSlice], positions: torch.Tensor,
-                 use_kernels: bool = False, bucket_widths: bool = False) -> None:
+                 use_kernels: bool = False, bucket_widths: bool = False, tables: Optional[torch.Tensor] = None) -> None:
         """slices: the scheduled sequences, prefills first, then decodes (one query each, by
         increasing context length on the gather path); positions: the packed tokens' positions (a
         CPU tensor), from which each token's KV slot follows. bucket_widths: on the gather path, pad
         a group of decodes to a bucket of blocks (`minfer.engine.buckets`), so that the attention
-        matmuls meet few shapes too."""
+        matmuls meet few shapes too. tables: the slices' block tables as one int32 CPU tensor
+        [seqs, at least the longest table] when the caller keeps them (`minfer.engine.block_tables`);
+        else they are built from the slices' lists."""
         self.pool, self.slices, self.use_kernels = pool, slices, use_kernels
         self.num_tokens = len(positions)  # the packed row may be longer: bucket padding (minfer.engine.buckets)
         self.prefills = [s for s in slices if s.query_len > 1]
         self.decodes = [s for s in slices if s.query_len == 1]
         self.decode_start = self.decodes[0].query_start if self.decodes else len(positions)
         device = pool.k.device
-        tables = block_tables(slices)
-        token_rows = tables.repeat_interleave(torch.tensor([s.query_len for s in slices]), dim=0)
+        tables = block_tables(slices) if tables is None else tables
+        # each token's sequence's table (a decode-only step has one token per sequence already)
+        token_rows = tables.repeat_interleave(torch.tensor([s.query_len for s in slices]), dim=0) if self.prefills else tables
         self.slot_mapping = slots_for_positions(token_rows, positions, pool.block_size).to(device)
         if use_kernels:  # one kernel call for all prefills, one for all decodes
             split = len(self.prefills)
@@ -181,8 +184,11 @@ class PagedStep:
         else:  # the gather path: tables built once per step, not once per layer
             self.prefill_tables = [tables[i:i + 1, :len(s.block_table)].to(device) for i, s in enumerate(self.prefills)]
             self.prefill_runs = [first_of_run(s.block_table) for s in self.prefills]
-            self.decode_buckets = [decode_bucket(group, pool.block_size, device, bucket_widths)
-                                   for group in split_by_length(self.decodes)]
+            self.decode_buckets, first = [], len(self.prefills)
+            for group in split_by_length(self.decodes):
+                self.decode_buckets.append(decode_bucket(group, tables[first:first + len(group)], pool.block_size,
+                                                         device, bucket_widths))
+                first += len(group)
 
     def advance(self, num_tokens: int) -> None:
         """Nothing to do: positions and lengths come from the scheduler for every step."""
@@ -253,22 +259,34 @@ def attend_with_kernels(pool: KVPool, layer: int, q: torch.Tensor, k: torch.Tens
 def block_tables(slices: list[SequenceSlice]) -> torch.Tensor:
     """The slices' block tables as one int32 [seqs, longest] CPU tensor. Short rows are padded with
     block 0: a valid address that no reader uses, since every reader stops at its sequence's length."""
-    width = max(len(s.block_table) for s in slices)
+    width = widest_table(slices)
     return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in slices], dtype=torch.int32)
 
 
 def split_by_length(decodes: list[SequenceSlice], min_per_bucket: int = 8, max_buckets: int = 4) -> list[list[SequenceSlice]]:
     """Cut decodes (sorted by context length) into up to max_buckets groups of equal count, each
     of at least min_per_bucket sequences: padding to the longest in a group wastes less than
-    padding to the longest of all, and a few more calls cost little."""
+    padding to the longest of all, and a few more calls cost little. Neighbouring groups whose
+    longest tables are equally long stay one group: splitting them would save no padding."""
     count = max(1, min(max_buckets, len(decodes) // min_per_bucket))
     bounds = [round(i * len(decodes) / count) for i in range(count + 1)]
-    return [decodes[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+    groups: list[list[SequenceSlice]] = []
+    for a, b in zip(bounds, bounds[1:]):
+        if b > a and groups and widest_table(groups[-1]) == widest_table(decodes[a:b]):
+            groups[-1] = groups[-1] + decodes[a:b]
+        elif b > a:
+            groups.append(decodes[a:b])
+    return groups
 
 
-def decode_bucket(decodes: list[SequenceSlice], block_size: int, device: torch.device,
+def widest_table(slices: list[SequenceSlice]) -> int:
+    return max(len(s.block_table) for s in slices)
+
+
+def decode_bucket(decodes: list[SequenceSlice], tables: torch.Tensor, block_size: int, device: torch.device,
                   bucket_width: bool = False) -> DecodeBucket:
-    tables = block_tables(decodes)
+    """decodes: sequences of similar length; tables: their block tables, [len(decodes), at least the widest]."""
+    tables = tables[:, :widest_table(decodes)]
     if bucket_width and len(decodes) > 1:  # (a lone sequence may be read in place: no padding there)
         tables = torch.nn.functional.pad(tables, (0, bucket_for(tables.shape[1]) - tables.shape[1]))  # block 0: masked
     tables = tables.to(device)

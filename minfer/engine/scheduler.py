@@ -49,7 +49,8 @@ class Scheduler:
         self.blocks.free(seq.block_table)
 
     def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
+        """Preempt the newest running sequence, `seq`."""
+        self.running.pop()
         self.blocks.free(seq.block_table)
         seq.num_computed = 0
         seq.spec_token_ids.clear()  # recomputed from scratch: it drafts again afterwards
@@ -70,10 +71,10 @@ class Scheduler:
         """The next step's batch: (sequence, number of new tokens to compute) pairs."""
         budget = self.max_num_batched_tokens
         batch: list[tuple[Sequence, int]] = []
-        preempted = False
+        preempted: set[Sequence] = set()  # this step's victims: the newest running sequences
         for seq in list(self.running):
-            if seq not in self.running:  # preempted below to make room for an older one
-                continue
+            if seq in preempted:  # preempted below to make room for an older one: so are all after it
+                break
             if seq.spec_token_ids:
                 self._fit_draft(seq, budget)
             todo = min(seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed, budget)
@@ -82,10 +83,10 @@ class Scheduler:
             while not self.blocks.can_append(seq.num_computed + todo, seq.block_table):
                 victim = self.running[-1]
                 self._preempt(victim)
-                preempted = True
+                preempted.add(victim)
                 if victim is seq:
                     break
-            if seq not in self.running:
+            if seq in preempted:
                 break
             self.blocks.append(seq.block_table, seq.num_computed + todo)
             batch.append((seq, todo))

@@ -1,67 +1,186 @@
-"""From logits to the next token: greedy, temperature, top-k, top-p, min-p, per-request seeds."""
+"""From logits to the next token: greedy, temperature, top-k, top-p, min-p, per-request seeds,
+for every row of the batch in one call.
+
+A decode step samples one token per sequence. Done row by row, each row costs a dozen small
+operations (divide, softmax, sort, mask, draw), so a step of 256 sequences dispatches thousands:
+on a GPU each is a kernel launch of a few microseconds, and the device waits for the host.
+Here every setting is a per-row tensor (`SamplingTensors`), and the whole batch goes through
+the same fixed list of operations, whatever its size and mix of settings: greedy rows, sampled
+rows, rows with and without top-k or top-p. The draws happen on the logits' device; the one
+copy back to the host is the chosen token ids.
+
+The random numbers come from a counter-based generator (`random_uniforms`): row i's uniform is
+a hash of (its sequence's seed, the index of the token being drawn). No generator object per
+request, no state to advance, one vectorised call for the batch, and still a seeded request
+gets the same tokens whatever else shares its batch, and a preempted sequence that is
+recomputed draws the same tokens again.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 from minfer.sampling_params import SamplingParams
 
+# SplitMix64's constants (Steele, Lea and Flood, 2014), as signed 64-bit integers: torch's int64
+# arithmetic wraps around like C's unsigned arithmetic, which is what the hash needs.
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64
+_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX2 = 0x94D049BB133111EB - 2**64
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical (unsigned) right shift of int64 values: `>>` on a signed tensor copies the sign bit."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser: every output bit depends on every input bit."""
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    return z ^ _shift_right(z, 31)
+
+
+def random_uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """One uniform number in [0, 1) per row: a hash of (seed, counter), int64 tensors of the same shape.
+
+    The same pair always gives the same number, and different pairs give independent-looking
+    ones (SplitMix64: the seed is mixed into a key, the counter steps the key's stream). 24 random
+    bits: exactly representable in float32, so a token's probability is off by at most 2^-24."""
+    key = _mix64(seeds)
+    return _shift_right(_mix64(key + (counters + 1) * _GOLDEN), 40).to(torch.float32) * 2.0**-24
+
+
+def signed_seed(seed: int) -> int:
+    """A seed in [0, 2^64) or [-2^63, 2^63) as the int64 it is stored in."""
+    seed %= 2**64
+    return seed - 2**64 if seed >= 2**63 else seed
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling settings, on the logits' device.
+
+    temperature 0 marks a greedy row; top_k is the vocabulary size where top-k is off; top_p is 1
+    where top-p is off. seeds and counters choose each row's random number (`random_uniforms`).
+    all_greedy, any_min_p and candidates are what the host knows without reading the tensors back:
+    which filters any sampled row uses, so that a batch pays only for those (see `filter_rows`)."""
+
+    temperature: torch.Tensor  # float32 [rows]
+    top_k: torch.Tensor  # int64 [rows]
+    top_p: torch.Tensor  # float32 [rows]
+    min_p: torch.Tensor  # float32 [rows]
+    seeds: torch.Tensor  # int64 [rows]
+    counters: torch.Tensor  # int64 [rows]
+    all_greedy: bool
+    any_min_p: bool
+    candidates: int  # top-k and top-p look at this many of each row's best tokens (0: no row uses them)
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], counters: Sequence[int], vocab_size: int,
+              device: torch.device | str = "cpu") -> "SamplingTensors":
+        """From one SamplingParams, seed and counter per row: two tensors built from Python lists, then split."""
+        settings, all_greedy, any_min_p, any_filter, widest = [], True, False, False, 0
+        for p in params:
+            top_k = p.top_k if 0 < p.top_k < vocab_size else vocab_size
+            settings.append((p.temperature, top_k, p.top_p, p.min_p))
+            if p.temperature != 0:  # greedy rows' filters change nothing
+                all_greedy, any_min_p = False, any_min_p or p.min_p > 0
+                any_filter = any_filter or top_k < vocab_size or p.top_p < 1
+                widest = max(widest, top_k)  # a row without top-k needs every token ranked
+        floats = torch.tensor(settings, dtype=torch.float32).to(device)  # top_k < 2^24: exact in float32
+        ints = torch.tensor([list(seeds), list(counters)], dtype=torch.long).to(device)
+        return cls(floats[:, 0], floats[:, 1].long(), floats[:, 2], floats[:, 3], ints[0], ints[1],
+                   all_greedy, any_min_p, widest if any_filter else 0)
+
+
+def filter_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor, use_min_p: bool = True, candidates: Optional[int] = None) -> torch.Tensor:
+    """Scale each row of logits [rows, vocab] by its temperature and set the tokens it may not pick to -inf.
+
+    In vLLM's order: temperature, min-p, then top-k and top-p (so top-p counts the mass min-p and
+    top-k left). Per-row settings as tensors [rows] (temperature > 0; top_k = vocab and top_p = 1
+    where off; min_p = 0 where off). What the host knows of the batch saves work without reading a
+    device value back: use_min_p, whether any row uses min-p; candidates, how many of each row's
+    best tokens top-k and top-p must rank (0: no row uses them; None or the vocabulary: all of
+    them, a full sort; fewer when every row has a top-k, then torch.topk ranks only those, a few
+    times cheaper than sorting the vocabulary). The most likely token always stays."""
+    logits = logits / temperature[:, None]
+    if use_min_p:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    vocab = logits.shape[-1]
+    candidates = vocab if candidates is None else candidates
+    if candidates == 0:
+        return logits
+    if candidates < vocab:  # the rest are beyond every row's top-k
+        ranked, order = torch.topk(logits, candidates, dim=-1)
+    else:
+        ranked, order = torch.sort(logits, dim=-1, descending=True)
+    kth_value = ranked.gather(1, (top_k.clamp(max=candidates) - 1).clamp(min=0)[:, None])  # ties with the k-th stay, as torch.topk's would
+    ranked = ranked.masked_fill(ranked < kth_value, float("-inf"))
+    probs = torch.softmax(ranked, dim=-1)
+    # drop a token when the tokens ranked above it already cover top_p; top_p = 1 never drops (rounding aside)
+    drop = (probs.cumsum(dim=-1) - probs >= top_p[:, None]) & (top_p < 1)[:, None]
+    drop[:, 0] = False  # the top token stays, even for a top_p too small for float32
+    ranked = ranked.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, ranked)
+
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
-    """Scale one row of logits [vocab] by temperature and set the tokens we may not pick to -inf.
+    """One row of logits [vocab] through `filter_rows`, with plain numbers for settings (top_k 0 or -1: off)."""
+    vocab = logits.shape[-1]
+    row = dict(device=logits.device)
+    top_k = top_k if 0 < top_k < vocab else vocab
+    return filter_rows(logits[None].float(), torch.tensor([float(temperature)], **row), torch.tensor([top_k], **row),
+                       torch.tensor([float(top_p)], **row), torch.tensor([float(min_p)], **row),
+                       use_min_p=min_p > 0, candidates=top_k if top_k < vocab else vocab if top_p < 1 else 0)[0]
 
-    In vLLM's order: temperature, min-p, then top-k and top-p (so top-p counts the mass min-p left)."""
-    logits = logits / temperature
-    if min_p > 0.0:
-        probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth_value = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth_value, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the tokens ranked above it already cover top_p (the top one always stays)
-        drop_sorted = probs.cumsum(-1) - probs >= top_p
-        logits = logits.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
-    return logits
+
+def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of weights [rows, vocab] (probabilities, or any non-negative weights), row i at uniforms[i].
+
+    Inverse transform sampling: the uniform number, scaled to the row's total, looked up in the
+    row's running sum. torch.multinomial costs as much as drawing a random number for every token
+    of the vocabulary; this costs a cumulative sum. In float32, a token's probability is off by at
+    most half a rounding step of the running sum (3e-8)."""
+    cdf = weights.float().cumsum(dim=-1)
+    total = cdf[:, -1:].clone()  # contiguous, as searchsorted wants (a copy at any row count)
+    tokens = torch.searchsorted(cdf, (uniforms[:, None] * total).contiguous(), right=True)
+    # rounding may put u * total at the very end: then the last token with any weight
+    return torch.minimum(tokens, torch.searchsorted(cdf, total)).view(-1)
 
 
 def sample_from(weights: torch.Tensor, generators: Sequence[Optional[torch.Generator]]) -> list[int]:
-    """One token per row of weights [rows, vocab] (probabilities, or any non-negative weights, on
-    the CPU), row i drawn with generators[i].
-
-    Inverse transform sampling: one uniform number per row, looked up in the row's running sum.
-    torch.multinomial costs as much as drawing a random number for every token of the vocabulary:
-    1.3 ms a row for SmolLM2's 49,152 tokens on one CPU core, about what a whole decode step of a
-    small model takes on a GPU. This costs a cumulative sum, 0.07 ms a row
-    (benchmarks/bench_step_overhead.py). In float32, a token's probability is off by at most half
-    a rounding step of the running sum (3e-8)."""
-    cdf = weights.float().cumsum(dim=-1)
-    total = cdf[:, -1:].contiguous()
-    uniforms = torch.cat([torch.rand(1, generator=g) for g in generators])
-    tokens = torch.searchsorted(cdf, (uniforms[:, None] * total).contiguous(), right=True)
-    # rounding may put u * total at the very end: then the last token with any weight
-    return torch.minimum(tokens, torch.searchsorted(cdf, total)).view(-1).tolist()
+    """`draw` with row i's uniform number from generators[i] (None: the global generator), weights on the CPU."""
+    return draw(weights, torch.cat([torch.rand(1, generator=g) for g in generators])).tolist()
 
 
-def sample_next_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
-                       generators: Sequence[Optional[torch.Generator]]) -> list[int]:
-    """logits [batch, vocab] float32 -> one token id per row, each row with its own settings.
+def sample(logits: torch.Tensor, settings: SamplingTensors) -> torch.Tensor:
+    """logits [rows, vocab] -> one token id per row [rows], on the logits' device, each row with its own settings.
 
-    Each row draws from its own generator, so a seeded request gets the same tokens whatever
-    else shares the batch.
-    """
-    tokens = logits.argmax(dim=-1).tolist()
-    sampled = [row for row, p in enumerate(params) if not p.greedy]
-    if not sampled:
-        return tokens
-    probs = torch.stack([torch.softmax(filter_logits(logits[row], params[row].temperature, params[row].top_k,
-                                                     params[row].top_p, params[row].min_p), dim=-1) for row in sampled])
-    # The draws use CPU generators (a seed gives the same tokens on any device): the sampled rows'
-    # probabilities come over in one copy (each copy from a GPU waits for it).
-    drawn = sample_from(probs.cpu(), [generators[row] for row in sampled])
-    for row, token in zip(sampled, drawn):
-        tokens[row] = token
-    return tokens
+    Greedy rows take the argmax; the others are filtered (`filter_rows`) and drawn (`draw`) at
+    their own random number. The same operations whatever the batch holds."""
+    logits = logits.float()
+    greedy_tokens = logits.argmax(dim=-1)
+    if settings.all_greedy:
+        return greedy_tokens
+    greedy = settings.temperature == 0
+    temperature = torch.where(greedy, torch.ones_like(settings.temperature), settings.temperature)
+    filtered = filter_rows(logits, temperature, settings.top_k, settings.top_p, settings.min_p,
+                           settings.any_min_p, settings.candidates)
+    probs = torch.softmax(filtered, dim=-1)
+    drawn = draw(probs, random_uniforms(settings.seeds, settings.counters))
+    return torch.where(greedy, greedy_tokens, drawn)
+
+
+def sample_next_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
+                       counters: Sequence[int]) -> list[int]:
+    """logits [batch, vocab] -> one token id per row, row i with params[i], drawn at (seeds[i], counters[i]).
+
+    The counter is the index of the token being drawn in its sequence's output, so a seeded
+    request gets the same tokens whatever else shares the batch. One copy to the host: the ids."""
+    settings = SamplingTensors.build(params, seeds, counters, logits.shape[-1], logits.device)
+    return sample(logits, settings).tolist()

@@ -12,7 +12,7 @@ from minfer.sequence import Sequence
 
 def make_seq(prompt_len: int, max_tokens: int = 1) -> Sequence:
     return Sequence(list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), max_tokens,
-                    torch.Generator(), RequestMetrics(0.0, num_prompt_tokens=prompt_len))
+                    0, RequestMetrics(0.0, num_prompt_tokens=prompt_len))
 
 
 # ----------------------------------------------------------------- timelines
