@@ -6,6 +6,7 @@
     python -m minfer bench [--quick] [--json PATH] [--update-docs PATH] ...   minfer vs transformers vs the matmul floor
     python -m minfer bench serve [--base-url URL] [--request-rate R] ...   load-test an OpenAI-compatible server
     python -m minfer bench soak [--requests N] [--compare]   mixed requests for a long time: does memory stay flat?
+    python -m minfer bench host [--batches 1 32 256]   the host's work per decode step: µs per sequence, ATen ops
 """
 from __future__ import annotations
 
@@ -77,8 +78,16 @@ def bench_serve(args: argparse.Namespace) -> int:
     return run_serve_bench(args)
 
 
+def bench_host(args: argparse.Namespace) -> int:
+    from minfer.bench.host import run_from_args
+
+    run_from_args(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from minfer.bench.generate import add_bench_arguments
+    from minfer.bench.host import add_host_arguments
     from minfer.bench.serve import add_serve_bench_arguments
     from minfer.bench.soak import add_soak_arguments
     from minfer.quant.checkpoint import add_quantize_arguments
@@ -112,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     bk = bench_sub.add_parser("soak", help="thousands of mixed requests through the engine: memory, leaked blocks, plateau")
     add_soak_arguments(bk)
     bk.set_defaults(func=bench_soak)
+    bh = bench_sub.add_parser("host", help="the host's work per decode step on a tiny model: µs per sequence and ATen "
+                                           "operations at 1, 32 and 256 sequences")
+    add_host_arguments(bh)
+    bh.set_defaults(func=bench_host)
     return parser
 
 

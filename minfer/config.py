@@ -145,10 +145,11 @@ class EngineConfig:
     speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
     "prompt_lookup_min": 1} or {"model": name_or_path, "num_speculative_tokens": k}.
 
-    enforce_eager: False replays decode steps as CUDA graphs on CUDA (`minfer.engine.cuda_graphs`)
-    and compiles them elsewhere, and for mixture-of-experts models (`minfer.engine.compiled_decode`);
-    True or None (the default) runs every step eagerly: measured on CPU, compiling costs about 30 s
-    and gains nothing over the eager step (docs/benchmarks.md); on CUDA it is not measured yet.
+    enforce_eager: None (the default) replays decode steps as CUDA graphs on CUDA, as vLLM does
+    (`minfer.engine.cuda_graphs`: a dense model on the Triton kernels), and runs every step eagerly
+    elsewhere: measured on CPU, compiling costs about 30 s and gains nothing over the eager step
+    (docs/benchmarks.md). False: CUDA graphs where they can record, the compiled step elsewhere and for
+    mixture-of-experts models (`minfer.engine.compiled_decode`). True: every step eagerly.
 
     tensor_parallel_size: split every layer over this many processes (vLLM's name; `minfer.engine.parallel`).
 

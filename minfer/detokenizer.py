@@ -12,9 +12,15 @@ than decoding the new token alone:
 - a character's UTF-8 bytes can be split over several tokens (byte-level BPE): until the last
   byte arrives the window decodes to U+FFFD, so nothing is committed until it decodes cleanly.
 
-Both follow the incremental detokenization of vLLM and Hugging Face's TextStreamer.
+Both follow the incremental detokenization of vLLM and Hugging Face's TextStreamer. A fast
+tokenizer gets the same from the `tokenizers` library's `DecodeStream`, which does this work in Rust.
 """
 from __future__ import annotations
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers before 0.21
+    DecodeStream = None
 
 REPLACEMENT_CHARACTER = "\ufffd"  # what an incomplete UTF-8 sequence decodes to
 
@@ -25,11 +31,14 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
-        # A fast tokenizer's Rust decoder straight, when transformers would return its text unchanged:
-        # 1 µs a call instead of 7 (transformers converts and checks its arguments on every call)
+        # A fast tokenizer whose text transformers returns unchanged is decoded by the `tokenizers`
+        # library's own streaming decoder, in Rust: one call of about 1 µs per token, where two
+        # calls through transformers take 14 (it converts and checks its arguments on every call)
         backend = getattr(tokenizer, "_tokenizer", None)
-        self._backend = (backend if backend is not None and hasattr(backend, "decode")
+        self._backend = (backend if DecodeStream is not None and backend is not None and hasattr(backend, "decode")
                          and not getattr(tokenizer, "clean_up_tokenization_spaces", True) else None)
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens) if self._backend is not None else None
+        self._held = 0  # tokens the stream holds back (an incomplete character)
         self.token_ids: list[int] = []
         self.text = ""
         self.prefix_offset = 0  # the window decoded each step starts here: one committed token of context
@@ -44,6 +53,14 @@ class IncrementalDetokenizer:
     def append(self, token: int) -> str:
         """Add one token; returns the text it committed ("" while a character's bytes are incomplete)."""
         self.token_ids.append(token)
+        if self._stream is not None:
+            new = self._stream.step(self._backend, token)
+            if new is None:
+                self._held += 1
+                return ""
+            self._held = 0
+            self.text += new
+            return new
         window = self._decode(self.token_ids[self.prefix_offset:])
         if window.endswith(REPLACEMENT_CHARACTER):
             return ""  # wait for the character's remaining bytes
@@ -55,5 +72,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """The full decode: `text` with whatever is held back (U+FFFD for bytes that never completed)."""
+        if self._stream is not None:  # what the stream holds back: decoded whole, as it rarely is
+            return self.text if not self._held else self._decode(self.token_ids)
         window = self._decode(self.token_ids[self.prefix_offset:])
         return self.text + window[len(self.prefix_text):]

@@ -149,10 +149,14 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
+        for seq in self.seqs:  # (a loop: the engine asks for every request every step, and all() costs 3x more)
+            if seq.finish_reason is None:
+                return False
+        return True
 
-    def to_output(self) -> RequestOutput:
+    def to_output(self, finished: Optional[bool] = None) -> RequestOutput:
+        """finished: `self.finished`, when the caller knows it already."""
         prompt_logprobs = self.seqs[0].prompt_logprobs
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [s.to_output() for s in self.seqs],
-                             self.finished, self.seqs[0].metrics, None if prompt_logprobs is None else list(prompt_logprobs),
+                             self.finished if finished is None else finished, self.seqs[0].metrics, None if prompt_logprobs is None else list(prompt_logprobs),
                              self.seqs[0].num_cached_prompt_tokens)

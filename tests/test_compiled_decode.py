@@ -28,9 +28,10 @@ def test_compiled_step_logits_equal_eager(random_tiny_dir, num_seqs):
     step = runner.prepare(llm.engine.scheduler.schedule())
     assert step.plain_decode and step.input_ids.shape[1] == bucket_for(num_seqs)  # padded by the runner
     eager = llm.model(step.input_ids, step.positions, step.paged, logits_indices=step.logits_indices)
-    compiled = runner.compiled(step.input_ids, step.positions, step.paged, step.logits_indices)
-    assert compiled.shape == eager.shape == (1, bucket_for(num_seqs), 512)
-    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    assert runner.decode_step.serves(step)
+    compiled = runner.decode_step(step)
+    assert compiled.shape == eager.shape[1:] == (bucket_for(num_seqs), 512)
+    torch.testing.assert_close(compiled, eager[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -42,8 +43,8 @@ def test_compiled_and_eager_generate_the_same_tokens(random_tiny_dir):
     for eager in (True, False):
         llm = sharpened(random_tiny_dir, eager)
         if not eager:
-            compiled = llm.engine.runner.compiled
-            llm.engine.runner.compiled = lambda *args: calls.append(args[0].shape[1]) or compiled(*args)
+            compiled = llm.engine.runner.decode_step
+            compiled.forward = lambda ids, positions, run=compiled.forward: calls.append(ids.shape[1]) or run(ids, positions)
         tokens[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens[True] == tokens[False]
     assert len(calls) >= 8 and max(calls) == 8  # the decode steps, five sequences at most (bucket 8), went through it

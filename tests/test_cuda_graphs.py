@@ -72,7 +72,7 @@ SCRIPT = textwrap.dedent("""
         runner = llm.engine.runner
         runner.use_kernels = True
         if recorder is not None:
-            runner.graphs = DecodeGraphs(llm.model, runner.pool, 5, blocks_per_sequence(llm.engine.config), recorder)
+            runner.decode_step = DecodeGraphs(llm.model, runner.pool, 5, blocks_per_sequence(llm.engine.config), recorder)
         return llm
 
     def generate(llm):
@@ -86,7 +86,7 @@ SCRIPT = textwrap.dedent("""
     for (tokens, logprobs), (tokens_g, logprobs_g) in zip(eager, graphed):
         assert tokens == tokens_g, (tokens, tokens_g)
         assert torch.allclose(torch.tensor(sum(logprobs, [])), torch.tensor(sum(logprobs_g, [])), atol=1e-5)
-    graphs = llm.engine.runner.graphs
+    graphs = llm.engine.runner.decode_step
     assert graphs.batch_sizes == [1, 2, 4, 8], graphs.batch_sizes
     assert sorted(recorded) == sorted(set(recorded)) == sorted(graphs.replays), recorded  # one recording per size
     assert 8 in recorded and 1 in recorded, recorded  # 5 sequences padded to 8 at first, the longest alone at the end
@@ -98,7 +98,7 @@ SCRIPT = textwrap.dedent("""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert [tokens for tokens, _ in generate(llm)] == [tokens for tokens, _ in eager]
-    assert llm.engine.runner.graphs.failed and "stream is capturing" in llm.engine.runner.graphs.failed
+    assert llm.engine.runner.decode_step.failed and "stream is capturing" in llm.engine.runner.decode_step.failed
     assert sum("run eagerly" in str(w.message) for w in caught) == 1, [str(w.message) for w in caught]
     print("failed recording falls back to eager")
 """)
@@ -112,13 +112,16 @@ def test_decode_graphs_replay_the_eager_step():
 
 
 def test_graphs_only_where_they_can_record(random_tiny_dir, tmp_path):
-    """On a CPU, enforce_eager=False compiles the step (no CUDA graphs); MoE models are never recorded."""
+    """On a CPU, enforce_eager=False compiles the step (no CUDA graphs) and the default is eager; MoE models are
+    never recorded."""
     from minfer import LLM
+    from minfer.engine.compiled_decode import CompiledDecode
     from minfer.engine.cuda_graphs import DecodeGraphs
     from minfer.testing import tiny_moe_checkpoint, word_tokenizer
 
     llm = LLM(random_tiny_dir, dtype="float32", device="cpu", num_gpu_blocks_override=16, enforce_eager=False)
-    assert llm.engine.runner.graphs is None and llm.engine.runner.compiled is not None
+    assert isinstance(llm.engine.runner.decode_step, CompiledDecode)
+    assert LLM(random_tiny_dir, dtype="float32", device="cpu", num_gpu_blocks_override=16).engine.runner.decode_step is None
     assert DecodeGraphs.supports(llm.model)
     tiny_moe_checkpoint(str(tmp_path), word_tokenizer(512), "mixtral", vocab_size=512)
     assert not DecodeGraphs.supports(LLM(str(tmp_path), dtype="float32", device="cpu", num_gpu_blocks_override=16).model)
@@ -126,13 +129,14 @@ def test_graphs_only_where_they_can_record(random_tiny_dir, tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="records real CUDA graphs: needs a GPU (benchmarks/gpu_check.sh runs it)")
 def test_cuda_graphs_on_a_gpu(random_tiny_dir):
-    """The real recording: enforce_eager=False on CUDA records graphs and gives the eager engine's tokens and logprobs."""
+    """The real recording: the default (enforce_eager=None) on CUDA records graphs and gives the eager engine's
+    tokens and logprobs."""
     from minfer import LLM, SamplingParams
 
     prompts = [{"prompt_token_ids": list(range(3 + i, 3 + 5 * i + 7))} for i in range(5)]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3) for n in (3, 9, 5, 12, 7)]
     results = {}
-    for eager in (True, False):
+    for eager in (True, None):
         llm = LLM(random_tiny_dir, dtype="float32", device="cuda", max_num_seqs=5, enforce_eager=eager)
         with torch.no_grad():
             llm.model.norm.weight.mul_(30)  # random weights give nearly flat logits: make the argmax clear
@@ -140,9 +144,9 @@ def test_cuda_graphs_on_a_gpu(random_tiny_dir):
         results[eager] = [(o.outputs[0].token_ids, [lp[t].logprob for lp in o.outputs[0].logprobs for t in sorted(lp)])
                           for o in outs]
         if not eager:
-            graphs = llm.engine.runner.graphs
+            graphs = llm.engine.runner.decode_step
             assert graphs is not None and graphs.failed is None, graphs and graphs.failed
             assert 8 in graphs.replays and 1 in graphs.replays, sorted(graphs.replays)
-    for (tokens, logprobs), (tokens_g, logprobs_g) in zip(results[True], results[False]):
+    for (tokens, logprobs), (tokens_g, logprobs_g) in zip(results[True], results[None]):
         assert tokens == tokens_g
         assert torch.allclose(torch.tensor(logprobs), torch.tensor(logprobs_g), atol=1e-4)

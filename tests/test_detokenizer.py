@@ -177,3 +177,20 @@ def test_a_stream_reads_each_logprob_entry_a_bounded_number_of_times(monkeypatch
     whole = protocol.completion_logprobs(entries)["text_offset"]
     assert offsets == whole == [sum(map(len, words[:i])) for i in range(len(words))]
     assert len(reads) <= 3 * len(words)  # stream and whole answer: each entry read a fixed number of times
+
+
+def test_the_streaming_decoder_and_the_windows_agree_token_by_token(llm):
+    """A fast tokenizer goes through `tokenizers`' DecodeStream; any other tokenizer through decode windows."""
+    tokenizer = llm.tokenizer
+
+    class SlowPath:  # only decode(): no Rust backend to stream with
+        def decode(self, ids, **kwargs):
+            return tokenizer.decode(ids, **kwargs)
+
+    rng = random.Random(1)
+    ids = tokenizer.encode(TEXT)[-300:] + [rng.randrange(len(tokenizer)) for _ in range(300)]
+    stream, windows = IncrementalDetokenizer(tokenizer), IncrementalDetokenizer(SlowPath())
+    assert stream._stream is not None and windows._stream is None
+    for token in ids:
+        assert stream.append(token) == windows.append(token)
+        assert stream.flush() == windows.flush()

@@ -128,10 +128,9 @@ def test_filter_rows_equals_filter_logits_row_by_row():
     logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(3)) * 3
     params = random_settings(64, 300)
     s = SamplingTensors.build(params, [0] * 64, [0] * 64, 300)
-    temperature = torch.where(s.temperature == 0, 1.0, s.temperature)
-    together = filter_rows(logits, temperature, s.top_k, s.top_p, s.min_p, s.any_min_p, s.candidates)
+    together = filter_rows(logits[s.rows], s.temperature, s.top_k, s.top_p, s.min_p, s.any_min_p, s.candidates)
     assert s.candidates == 300  # some sampled row has no top-k: every token ranked
-    check_rows_alone(logits, params, together)
+    check_rows_alone(logits[s.rows], [params[i] for i in s.rows], together)
 
 
 def test_filter_rows_ranks_only_the_widest_top_k_when_every_sampled_row_has_one():
@@ -141,17 +140,14 @@ def test_filter_rows_ranks_only_the_widest_top_k_when_every_sampled_row_has_one(
               SamplingParams(temperature=0.9, top_k=int(torch.randint(1, 40, (1,), generator=gen)), top_p=[1.0, 0.7][i % 2],
                              min_p=[0.0, 0.02][i % 5 == 1]) for i in range(32)]
     s = SamplingTensors.build(params, [0] * 32, [0] * 32, 300)
-    assert 0 < s.candidates < 40
-    temperature = torch.where(s.temperature == 0, 1.0, s.temperature)
-    together = filter_rows(logits, temperature, s.top_k, s.top_p, s.min_p, s.any_min_p, s.candidates)
-    check_rows_alone(logits, [p for p in params], together, skip_greedy=True)
+    assert 0 < s.candidates < 40 and s.rows.tolist() == [i for i in range(32) if i % 3]
+    together = filter_rows(logits[s.rows], s.temperature, s.top_k, s.top_p, s.min_p, s.any_min_p, s.candidates)
+    check_rows_alone(logits[s.rows], [params[i] for i in s.rows], together)
 
 
-def check_rows_alone(logits, params, together, skip_greedy=False):
+def check_rows_alone(logits, params, together):
     for row, p in enumerate(params):
-        if skip_greedy and p.greedy:
-            continue
-        alone = filter_logits(logits[row], p.temperature or 1.0, p.top_k, p.top_p, p.min_p)
+        alone = filter_logits(logits[row], p.temperature, p.top_k, p.top_p, p.min_p)
         assert torch.equal(torch.isfinite(together[row]), torch.isfinite(alone)), row
         assert torch.allclose(together[row][torch.isfinite(alone)], alone[torch.isfinite(alone)])
 
@@ -189,10 +185,11 @@ def test_a_top_p_below_float32_keeps_the_top_token():
 def test_the_sampler_dispatches_the_same_operations_at_any_batch_size():
     """On a GPU each operation is a kernel launch: their number must not grow with the batch."""
     counts = {}
-    for rows in (1, 256):
+    for rows in (2, 256):
         logits = torch.randn(rows, 100)
-        params = (random_settings(rows, 100) if rows > 1 else [SamplingParams(temperature=0.7, top_p=0.9, min_p=0.01)])
+        params = (random_settings(rows, 100) if rows > 2 else
+                  [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_p=0.9, min_p=0.01)])
         with OpCounter() as ops:
             sample_next_tokens(logits, params, list(range(rows)), [0] * rows)
         counts[rows] = ops.count
-    assert counts[256] == counts[1], counts
+    assert counts[256] == counts[2], counts

@@ -81,8 +81,13 @@ class CompiledDecode:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions, self.cache, last_only=False)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, step, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Logits [1, len(logits_indices), vocab] of a decode step (padded to a bucket), as the eager model gives them."""
-        with active(step, self.model.attention_fn), torch.inference_mode():  # freezing needs it
-            logits = self.forward(input_ids, positions)
-        return logits[:, logits_indices]
+    @staticmethod
+    def serves(step) -> bool:
+        """Whether a prepared step is one the compiled model runs: plain decodes, padded to a bucket it compiles."""
+        return step.plain_decode and step.input_ids.shape[1] <= MAX_COMPILED_TOKENS
+
+    def __call__(self, step) -> torch.Tensor:
+        """Logits [len(step.logits_indices), vocab] of a decode step (padded to a bucket), as the eager model gives them."""
+        with active(step.paged, self.model.attention_fn), torch.inference_mode():  # freezing needs it
+            logits = self.forward(step.input_ids, step.positions)
+        return logits[0, step.logits_indices]

@@ -214,9 +214,10 @@ class Engine:
                     self.proposer.release(seq)
         outputs = []
         for request_id, request in touched.items():
-            if request.finished:
+            finished = request.finished
+            if finished:
                 self.requests.pop(request_id, None)
-            outputs.append(request.to_output())
+            outputs.append(request.to_output(finished))
         return outputs
 
     # ---------------------------------------------------------------- speculative decoding

@@ -12,8 +12,8 @@ sequences and tokens:
 * the forward pass, with logits only where someone reads them;
 * batched sampling: one call draws the next token of every sequence that gets one, each row with
   its own settings and its own random generator;
-* with enforce_eager=False, decode steps replayed as CUDA graphs on CUDA (`cuda_graphs.py`), through
-  the compiled model elsewhere (`compiled_decode.py`).
+* the decode path, chosen once: steps replayed as CUDA graphs on CUDA (`cuda_graphs.py`, the default
+  there), through the compiled model with enforce_eager=False elsewhere (`compiled_decode.py`), or eager.
 
     runner = ModelRunner(model, config)
     step = runner.run(batch)        # batch: [(sequence, new tokens), ...] from the scheduler
@@ -29,7 +29,7 @@ import torch
 from minfer.config import CPU_KV_CACHE_BYTES, EngineConfig
 from minfer.engine.block_tables import BlockTables
 from minfer.engine.buckets import bucket_for
-from minfer.engine.compiled_decode import MAX_COMPILED_TOKENS, CompiledDecode
+from minfer.engine.compiled_decode import CompiledDecode
 from minfer.engine.cuda_graphs import DecodeGraphs
 from minfer.engine.paged_kv import KVPool, PagedStep, SequenceSlice
 from minfer.layers.attention import attention_sdpa
@@ -105,14 +105,29 @@ class ModelRunner:
         self.device = weight.device
         num_blocks = config.num_gpu_blocks_override or self._blocks_for_memory()
         self.pool = KVPool(model.config, num_blocks, config.block_size, weight.dtype, self.device, config.kv_cache_dtype)
-        # Eager unless asked (see EngineConfig.enforce_eager for the measurements behind it). Asked: on CUDA,
-        # decode steps replay CUDA graphs of the eager model; on CPU (or for MoE models) they run compiled.
-        eager = True if config.enforce_eager is None else config.enforce_eager
-        graphs = not eager and self.device.type == "cuda" and DecodeGraphs.supports(model)
-        self.graphs = DecodeGraphs(model, self.pool, config.max_num_seqs, blocks_per_sequence(config)) if graphs else None
-        self.compiled = None if eager or graphs else CompiledDecode(model)
-        self.pad_to_buckets = config.bucket_step_shapes or self.compiled is not None  # a graph per shape needs buckets
+        self.decode_step = self._choose_decode_step()
+        # a compiled graph per shape needs buckets (CUDA graphs pad their own buffers)
+        self.pad_to_buckets = config.bucket_step_shapes or isinstance(self.decode_step, CompiledDecode)
         self.block_tables = BlockTables(blocks_per_sequence(config), rows=min(config.max_num_seqs, 1024))
+
+    graphs_allowed = True  # False where each step must also run elsewhere (tensor parallelism's workers run eagerly)
+
+    def _choose_decode_step(self) -> Optional[DecodeGraphs | CompiledDecode]:
+        """How plain decode steps run, chosen once: replayed as CUDA graphs, through the compiled model,
+        or None (eagerly, like every other step). Both fast paths answer `serves(step)` and `__call__(step)`.
+
+        enforce_eager None (the default, as in vLLM): CUDA graphs on CUDA where a recording can follow
+        the step (a dense model on the Triton kernels), else eager; compiling on a CPU costs tens of
+        seconds and gained nothing there (docs/benchmarks.md). False: graphs where they can record, else
+        the compiled step. True: always eager."""
+        eager = self.config.enforce_eager
+        graphs = (self.graphs_allowed and self.device.type == "cuda" and DecodeGraphs.supports(self.model)
+                  and self.kernels_on())
+        if eager is True or (eager is None and not graphs):
+            return None
+        if graphs:
+            return DecodeGraphs(self.model, self.pool, self.config.max_num_seqs, blocks_per_sequence(self.config))
+        return CompiledDecode(self.model)
 
     def _blocks_for_memory(self) -> int:
         """How many KV blocks fit the budget: kv_cache_memory_bytes if given; on CUDA, run one full-size
@@ -199,18 +214,13 @@ class ModelRunner:
         """A sequence has left the engine: forget its block table's row."""
         self.block_tables.release(seq)
 
-    def _forward(self, step: PreparedStep) -> torch.Tensor:
-        """The step's logits from the compiled decode step where it serves, else from the eager model."""
-        if self.compiled is not None and step.plain_decode and step.input_ids.shape[1] <= MAX_COMPILED_TOKENS:
-            return self.compiled(step.input_ids, step.positions, step.paged, step.logits_indices)[0]
-        return self.model(step.input_ids, step.positions, step.paged, logits_indices=step.logits_indices)[0]
-
     def run(self, batch: list[tuple[Sequence, int]]) -> StepOutput:
         """Prepare, run the model, and sample every sequence that gets a plain next token."""
         step = self.prepare(batch)
-        logits = self.graphs(step) if self.graphs is not None and self.graphs.serves(step) else None
-        if logits is None:  # no graph for this step (or its recording failed)
-            logits = self._forward(step)
+        fast = self.decode_step
+        logits = fast(step) if fast is not None and fast.serves(step) else None
+        if logits is None:  # not a step the fast path serves (or its recording failed): eagerly
+            logits = self.model(step.input_ids, step.positions, step.paged, logits_indices=step.logits_indices)[0]
         tokens: list[Optional[int]] = [None] * len(step.sampled)
         plain = [i for i, (seq, _) in enumerate(step.sampled) if not seq.spec_token_ids]
         if len(plain) == len(step.sampled):  # no drafts to verify: the sampling rows are the first ones, in order

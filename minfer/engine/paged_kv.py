@@ -129,7 +129,7 @@ class KVPool:
         return self._read(keys, k_scales), self._read(values, v_scales)
 
 
-@dataclass
+@dataclass(slots=True)
 class SequenceSlice:
     """One scheduled sequence's part of the packed step."""
 

@@ -167,6 +167,8 @@ def stop_workers(processes: list, device: torch.device) -> None:
 class ParallelModelRunner(ModelRunner):
     """The model runner of rank 0: the same steps, each one also sent to the workers before it runs."""
 
+    graphs_allowed = False  # the workers run every step eagerly, and rank 0 with them
+
     def __init__(self, model: LlamaModel, config: EngineConfig, workers: TensorParallelWorkers) -> None:
         self.workers, self.comm_stats = workers, workers.stats
         super().__init__(model, config)

@@ -61,39 +61,47 @@ def signed_seed(seed: int) -> int:
 
 @dataclass
 class SamplingTensors:
-    """Per-row sampling settings, on the logits' device.
+    """The settings of a batch's sampled rows (its greedy rows need none), as tensors on the logits' device.
 
-    temperature 0 marks a greedy row; top_k is the vocabulary size where top-k is off; top_p is 1
-    where top-p is off. seeds and counters choose each row's random number (`random_uniforms`).
-    all_greedy, any_min_p and candidates are what the host knows without reading the tensors back:
-    which filters any sampled row uses, so that a batch pays only for those (see `filter_rows`)."""
+    rows: which rows of the batch sample (None: all of them). Per sampled row: temperature (> 0),
+    top_k (the vocabulary size where off), top_p (1 where off), min_p (0 where off), and the seed
+    and counter that choose its random number (`random_uniforms`). any_min_p and candidates are
+    what the host knows without reading the tensors back: which filters some row uses, so that a
+    batch pays only for those (see `filter_rows`)."""
 
-    temperature: torch.Tensor  # float32 [rows]
-    top_k: torch.Tensor  # int64 [rows]
-    top_p: torch.Tensor  # float32 [rows]
-    min_p: torch.Tensor  # float32 [rows]
-    seeds: torch.Tensor  # int64 [rows]
-    counters: torch.Tensor  # int64 [rows]
-    all_greedy: bool
+    rows: Optional[torch.Tensor]  # int64 [sampled rows], or None when every row samples
+    temperature: torch.Tensor  # float32 [sampled rows]
+    top_k: torch.Tensor  # int64
+    top_p: torch.Tensor  # float32
+    min_p: torch.Tensor  # float32
+    seeds: torch.Tensor  # int64
+    counters: torch.Tensor  # int64
     any_min_p: bool
     candidates: int  # top-k and top-p look at this many of each row's best tokens (0: no row uses them)
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], counters: Sequence[int], vocab_size: int,
-              device: torch.device | str = "cpu") -> "SamplingTensors":
-        """From one SamplingParams, seed and counter per row: two tensors built from Python lists, then split."""
-        settings, all_greedy, any_min_p, any_filter, widest = [], True, False, False, 0
-        for p in params:
+              device: torch.device | str = "cpu") -> Optional["SamplingTensors"]:
+        """From one SamplingParams, seed and counter per row; None when every row is greedy. A few
+        tensors built from Python lists, whatever the batch."""
+        rows, settings, randomness, any_min_p, any_filter, widest = [], [], [], False, False, 0
+        for row, (p, seed, counter) in enumerate(zip(params, seeds, counters)):
+            if p.temperature == 0:
+                continue
             top_k = p.top_k if 0 < p.top_k < vocab_size else vocab_size
+            rows.append(row)
             settings.append((p.temperature, top_k, p.top_p, p.min_p))
-            if p.temperature != 0:  # greedy rows' filters change nothing
-                all_greedy, any_min_p = False, any_min_p or p.min_p > 0
-                any_filter = any_filter or top_k < vocab_size or p.top_p < 1
-                widest = max(widest, top_k)  # a row without top-k needs every token ranked
+            randomness.append((seed, counter))
+            any_min_p = any_min_p or p.min_p > 0
+            any_filter = any_filter or top_k < vocab_size or p.top_p < 1
+            widest = max(widest, top_k)  # a row without top-k needs every token ranked
+        if not rows:
+            return None
         floats = torch.tensor(settings, dtype=torch.float32).to(device)  # top_k < 2^24: exact in float32
-        ints = torch.tensor([list(seeds), list(counters)], dtype=torch.long).to(device)
-        return cls(floats[:, 0], floats[:, 1].long(), floats[:, 2], floats[:, 3], ints[0], ints[1],
-                   all_greedy, any_min_p, widest if any_filter else 0)
+        ints = torch.tensor(randomness, dtype=torch.long).to(device)
+        return cls(None if len(rows) == len(params) else torch.tensor(rows, device=device),
+                   floats[:, 0], floats[:, 1].long(), floats[:, 2], floats[:, 3], ints[:, 0], ints[:, 1],
+                   any_min_p, widest if any_filter else 0)
 
 
 def filter_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -158,22 +166,21 @@ def sample_from(weights: torch.Tensor, generators: Sequence[Optional[torch.Gener
     return draw(weights, torch.cat([torch.rand(1, generator=g) for g in generators])).tolist()
 
 
-def sample(logits: torch.Tensor, settings: SamplingTensors) -> torch.Tensor:
+def sample(logits: torch.Tensor, settings: Optional[SamplingTensors]) -> torch.Tensor:
     """logits [rows, vocab] -> one token id per row [rows], on the logits' device, each row with its own settings.
 
-    Greedy rows take the argmax; the others are filtered (`filter_rows`) and drawn (`draw`) at
-    their own random number. The same operations whatever the batch holds."""
+    Greedy rows take the argmax; the sampled rows (settings None: none) are filtered
+    (`filter_rows`) and drawn (`draw`) at their own random number. The same operations whatever
+    the batch holds."""
     logits = logits.float()
     greedy_tokens = logits.argmax(dim=-1)
-    if settings.all_greedy:
+    if settings is None:
         return greedy_tokens
-    greedy = settings.temperature == 0
-    temperature = torch.where(greedy, torch.ones_like(settings.temperature), settings.temperature)
-    filtered = filter_rows(logits, temperature, settings.top_k, settings.top_p, settings.min_p,
-                           settings.any_min_p, settings.candidates)
-    probs = torch.softmax(filtered, dim=-1)
-    drawn = draw(probs, random_uniforms(settings.seeds, settings.counters))
-    return torch.where(greedy, greedy_tokens, drawn)
+    rows = settings.rows
+    filtered = filter_rows(logits if rows is None else logits[rows], settings.temperature, settings.top_k,
+                           settings.top_p, settings.min_p, settings.any_min_p, settings.candidates)
+    drawn = draw(torch.softmax(filtered, dim=-1), random_uniforms(settings.seeds, settings.counters))
+    return drawn if rows is None else greedy_tokens.index_put((rows,), drawn)
 
 
 def sample_next_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
