@@ -150,3 +150,30 @@ def test_cuda_graphs_on_a_gpu(random_tiny_dir):
     for (tokens, logprobs), (tokens_g, logprobs_g) in zip(results[True], results[None]):
         assert tokens == tokens_g
         assert torch.allclose(torch.tensor(logprobs), torch.tensor(logprobs_g), atol=1e-4)
+
+
+def test_the_decode_path_is_chosen_once_cuda_graphs_by_default_on_cuda(random_tiny_dir):
+    """enforce_eager=None: CUDA graphs where a recording can follow the step (CUDA, a dense model on the kernels,
+    not tensor-parallel), eager elsewhere; True: eager; False: graphs where they can record, else compiled."""
+    from types import SimpleNamespace
+
+    from minfer import LLM
+    from minfer.engine.compiled_decode import CompiledDecode
+    from minfer.engine.cuda_graphs import DecodeGraphs
+    from minfer.engine.model_runner import ModelRunner
+
+    llm = LLM(random_tiny_dir, dtype="float32", device="cpu", num_gpu_blocks_override=16)
+    runner = llm.engine.runner
+
+    def choose(enforce_eager, device="cuda", kernels=True, graphs_allowed=True):
+        config = llm.engine.config.__class__(**{**vars(llm.engine.config), "enforce_eager": enforce_eager})
+        fake = SimpleNamespace(config=config, device=torch.device(device), model=llm.model, pool=runner.pool,
+                               graphs_allowed=graphs_allowed, kernels_on=lambda: kernels)
+        return ModelRunner._choose_decode_step(fake)
+
+    assert isinstance(choose(None), DecodeGraphs)  # on CUDA, by default
+    assert choose(True) is None
+    assert choose(None, device="cpu") is None and isinstance(choose(False, device="cpu"), CompiledDecode)
+    assert choose(None, kernels=False) is None  # a learner's attention function: no kernels to record
+    assert isinstance(choose(False, kernels=False), CompiledDecode)
+    assert choose(None, graphs_allowed=False) is None  # tensor parallelism's rank 0

@@ -24,7 +24,7 @@ def test_there_are_chapters():
     assert {"ch00_measure", "ch01_model", "ch02_kv_cache", "ch03_paged_attention", "ch04_continuous_batching",
             "ch05_prefix_caching", "ch06_quantization", "ch06b_ptq_and_qat", "ch07_speculative_decoding",
             "ch08_distillation_and_routing", "ch09_serving_under_load",
-            "ch10_mixture_of_experts", "ch11_scaling_out"} <= set(CHAPTERS)
+            "ch10_mixture_of_experts", "ch11_scaling_out", "ch12_host_overhead"} <= set(CHAPTERS)
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS)

@@ -56,6 +56,11 @@ def test_a_plot_is_shown_as_a_png_whatever_the_kernel_has_set_up(tmp_path, monke
     assert len(shown) == 1  # no plot asked for, none shown
 
 
+# Chapters whose GPU cell is written but has not yet run on a GPU (benchmarks/gpu_check.sh runs it): their cell says
+# so on a CPU. An entry must go once its figures are stored.
+AWAITING_A_GPU_RUN = {"ch12"}
+
+
 def test_every_gpu_cell_has_stored_figures_from_a_gpu():
     """Each chapter whose notebook has a GPU cell has figures in docs/gpu/ that were measured on CUDA, name the
     device and date, and render (what a learner on a CPU sees in that cell)."""
@@ -65,8 +70,12 @@ def test_every_gpu_cell_has_stored_figures_from_a_gpu():
     chapters = {f"ch{nb.name[:2]}" for nb in (root / "notebooks").glob("[0-9]*.ipynb")
                 if "gpu_cell(" in nb.read_text()}
     assert len(chapters) >= 9, chapters
+    assert AWAITING_A_GPU_RUN <= chapters
     for chapter in sorted(chapters):
         figures = gf.load_figures(chapter, root / "docs" / "gpu")
+        if chapter in AWAITING_A_GPU_RUN:
+            assert figures is None, f"{chapter} has GPU figures now: take it off AWAITING_A_GPU_RUN"
+            continue
         assert figures is not None, f"{chapter}: no docs/gpu/{chapter}.json"
         assert figures["chapter"] == chapter and figures["device"] not in ("", "cpu") and figures["date"]
         assert "+cu" in figures["torch"], figures["torch"]  # a CUDA build of torch measured them
