@@ -6,8 +6,9 @@ Where a request goes, file by file:
     scheduler.py          schedule: which sequences run this step and how many tokens each brings
     block_manager.py      ... and which KV blocks hold them (shared prefixes found by hash)
     model_runner.py     run: the step's tensors, the forward pass, batched sampling
+    block_tables.py       the running sequences' block tables, rows of one tensor written where they changed
     paged_kv.py           during the forward pass: storing K/V in the pool and attending over it
-    cuda_graphs.py        enforce_eager=False on CUDA: decode steps replayed as CUDA graphs
+    cuda_graphs.py        the default on CUDA: decode steps replayed as CUDA graphs
     compiled_decode.py    enforce_eager=False elsewhere: the decode step through torch.compile
     engine.py           postprocess: append tokens (or accept drafts), finish, free blocks, outputs
 """

@@ -1,4 +1,4 @@
-"""Decode steps replayed as CUDA graphs (`LLM(..., enforce_eager=False)` on CUDA).
+"""Decode steps replayed as CUDA graphs (the default on CUDA: `LLM(...)` with `enforce_eager=None` or False).
 
 Why: a decode step of a small model is a few hundred small kernels (SmolLM2-135M: about 15 per
 layer, 30 layers). At batch 1 the GPU finishes each of them in a few microseconds, about what
