@@ -127,7 +127,8 @@ def filter_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
         ranked, order = torch.topk(logits, candidates, dim=-1)
     else:
         ranked, order = torch.sort(logits, dim=-1, descending=True)
-    kth_value = ranked.gather(1, (top_k.clamp(max=candidates) - 1).clamp(min=0)[:, None])  # ties with the k-th stay, as torch.topk's would
+    # each row's k-th best value; tokens tied with it stay
+    kth_value = ranked.gather(1, (top_k.clamp(max=candidates) - 1).clamp(min=0)[:, None])
     ranked = ranked.masked_fill(ranked < kth_value, float("-inf"))
     probs = torch.softmax(ranked, dim=-1)
     # drop a token when the tokens ranked above it already cover top_p; top_p = 1 never drops (rounding aside)
