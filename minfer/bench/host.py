@@ -24,7 +24,6 @@ import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -157,7 +156,8 @@ def add_host_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", help="write the rows here")
 
 
-def run_from_args(args: argparse.Namespace, docs: Optional[callable] = None) -> list[HostRow]:
+def run_from_args(args: argparse.Namespace) -> list[HostRow]:
+    """`python -m minfer bench host`: the table, and the rows as JSON with --json."""
     torch.set_num_threads(1)  # host work is single-threaded; one thread keeps the forward pass from competing
     rows = run_host_bench(tuple(args.batches), args.steps)
     print(table(rows))
