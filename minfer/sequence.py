@@ -76,12 +76,10 @@ class Sequence:
         """len(token_ids), without building the list (the engine asks every step)."""
         return len(self.prompt_token_ids) + len(self.output_ids)
 
-    @property
-    def last_token_id(self) -> int:
-        return self.output_ids[-1] if self.output_ids else self.prompt_token_ids[-1]
-
     def token_ids_between(self, start: int, stop: int) -> list[int]:
         """(token_ids + spec_token_ids)[start:stop]: a step's input, without copying the whole sequence."""
+        if stop == start + 1 == self.num_tokens:  # a plain decode step's input: the newest token (the usual case)
+            return [self.output_ids[-1] if self.output_ids else self.prompt_token_ids[-1]]
         ids = []
         for part in (self.prompt_token_ids, self.output_ids, self.spec_token_ids):
             ids += part[max(0, start):max(0, stop)]
@@ -154,9 +152,8 @@ class Request:
                 return False
         return True
 
-    def to_output(self, finished: Optional[bool] = None) -> RequestOutput:
-        """finished: `self.finished`, when the caller knows it already."""
+    def to_output(self) -> RequestOutput:
         prompt_logprobs = self.seqs[0].prompt_logprobs
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [s.to_output() for s in self.seqs],
-                             self.finished if finished is None else finished, self.seqs[0].metrics, None if prompt_logprobs is None else list(prompt_logprobs),
+                             self.finished, self.seqs[0].metrics, None if prompt_logprobs is None else list(prompt_logprobs),
                              self.seqs[0].num_cached_prompt_tokens)

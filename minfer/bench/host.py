@@ -41,14 +41,10 @@ class OpCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
-        self.names: dict[str, int] = {}
         self.counting = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.counting:
-            self.count += 1
-            name = str(func.overloadpacket)
-            self.names[name] = self.names.get(name, 0) + 1
+        self.count += self.counting
         return func(*args, **(kwargs or {}))
 
 

@@ -214,10 +214,9 @@ class Engine:
                     self.proposer.release(seq)
         outputs = []
         for request_id, request in touched.items():
-            finished = request.finished
-            if finished:
+            if request.finished:
                 self.requests.pop(request_id, None)
-            outputs.append(request.to_output(finished))
+            outputs.append(request.to_output())
         return outputs
 
     # ---------------------------------------------------------------- speculative decoding

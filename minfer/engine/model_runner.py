@@ -179,24 +179,17 @@ class ModelRunner:
         for seq, count in batch:
             start, drafts = seq.num_computed, len(seq.spec_token_ids)
             slices.append(SequenceSlice(len(input_ids), count, start + count, seq.block_table))
-            if seq.prompt_logprobs is not None and seq.needs_prompt_logits:  # positions [first, last) of this chunk
-                first = max(start, len(seq.prompt_logprobs) - 1)  # not scored before a preemption
+            if seq.needs_prompt_logits:  # positions [first, last) of this chunk, not scored before a preemption
+                first = max(start, len(seq.prompt_logprobs) - 1)
                 last = min(start + count, len(seq.prompt_token_ids) - 1)
                 if first < last:
                     score_at += range(len(input_ids) + first - start, len(input_ids) + last - start)
                     scored.append((seq, first, last))
-            if count == 1 and not drafts and start == seq.num_tokens - 1:  # a plain decode: its newest token
-                input_ids.append(seq.last_token_id)
-                positions.append(start)
-            else:
-                input_ids += seq.token_ids_between(start, start + count)  # draft tokens ride along to be verified
-                positions += range(start, start + count)
+            input_ids += seq.token_ids_between(start, start + count)  # draft tokens ride along to be verified
+            positions += range(start, start + count)
             if start + count == seq.num_tokens + drafts:  # all it knows: sample (and verify drafts)
                 sampled.append((seq, slice(len(sample_at), len(sample_at) + 1 + drafts)))
-                if drafts:
-                    sample_at += range(len(input_ids) - 1 - drafts, len(input_ids))
-                else:
-                    sample_at.append(len(input_ids) - 1)
+                sample_at += range(len(input_ids) - 1 - drafts, len(input_ids))
         device = self.device
         rows = self.block_tables.rows([seq for seq, _ in batch])
         tables = self.block_tables.gather(rows, max(len(s.block_table) for s in slices))
@@ -223,15 +216,10 @@ class ModelRunner:
             logits = self.model(step.input_ids, step.positions, step.paged, logits_indices=step.logits_indices)[0]
         tokens: list[Optional[int]] = [None] * len(step.sampled)
         plain = [i for i, (seq, _) in enumerate(step.sampled) if not seq.spec_token_ids]
-        if len(plain) == len(step.sampled):  # no drafts to verify: the sampling rows are the first ones, in order
-            seqs = [seq for seq, _ in step.sampled]
-            rows = logits[:len(seqs)]
-        else:
-            seqs = [step.sampled[i][0] for i in plain]
-            rows = logits[[step.sampled[i][1].start for i in plain]]
         if plain:
-            drawn = sample_next_tokens(rows, [s.params for s in seqs], [s.seed for s in seqs],
-                                       [len(s.output_ids) for s in seqs])
+            seqs = [step.sampled[i][0] for i in plain]
+            drawn = sample_next_tokens(logits[[step.sampled[i][1].start for i in plain]], [s.params for s in seqs],
+                                       [s.seed for s in seqs], [len(s.output_ids) for s in seqs])
             for i, token in zip(plain, drawn):
                 tokens[i] = token
         num_tokens = step.paged.num_tokens

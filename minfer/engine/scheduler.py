@@ -80,16 +80,15 @@ class Scheduler:
             todo = min(seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed, budget)
             if todo <= 0:
                 break
-            if seq.num_computed + todo > len(seq.block_table) * self.blocks.block_size:  # needs another block
-                while not self.blocks.can_append(seq.num_computed + todo, seq.block_table):
-                    victim = self.running[-1]
-                    self._preempt(victim)
-                    preempted.add(victim)
-                    if victim is seq:
-                        break
-                if seq in preempted:
+            while not self.blocks.can_append(seq.num_computed + todo, seq.block_table):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.add(victim)
+                if victim is seq:
                     break
-                self.blocks.append(seq.block_table, seq.num_computed + todo)
+            if seq in preempted:
+                break
+            self.blocks.append(seq.block_table, seq.num_computed + todo)
             batch.append((seq, todo))
             budget -= todo
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
