@@ -32,6 +32,7 @@ from minfer.sampling_params import SamplingParams
 from minfer.sequence import Request, Sequence
 
 PromptType = Union[str, dict]  # a string, {"prompt": str} or {"prompt_token_ids": [...]} (vLLM's TextPrompt, TokensPrompt)
+CHAT_ROLES = ("system", "user", "assistant", "developer")  # "developer": OpenAI's newer name for "system"
 
 
 def message_text(content: Union[str, list]) -> str:
@@ -222,12 +223,20 @@ class LLM:
 
     def add_requests(self, prompts: list[PromptType],
                      sampling_params: Union[SamplingParams, list[SamplingParams], None] = None, *,
-                     refuse_beyond_context: bool = False) -> list[str]:
+                     refuse_beyond_context: bool = False, max_request_tokens: Optional[int] = None) -> list[str]:
         """Queue several requests, all or none: every prompt is checked before the first is queued.
 
         A max_tokens beyond the context window is cut to what fits (as vLLM's `LLM` does), or with
-        refuse_beyond_context refused with a ValueError (as OpenAI-compatible servers do)."""
+        refuse_beyond_context refused with a ValueError (as OpenAI-compatible servers do).
+        max_request_tokens: refuse (ValueError) a call whose sequences together may hold more tokens
+        of KV cache than this, each its prompt and its max_tokens (a server's bound on work per call)."""
         requests = self._make_requests(prompts, sampling_params, refuse_beyond_context)
+        if max_request_tokens is not None:
+            held = sum(s.num_tokens + s.max_tokens for r in requests for s in r.seqs)
+            if held > max_request_tokens:
+                raise ValueError(f"this request may hold {held} tokens of KV cache (for each of n completions of "
+                                 f"each prompt: prompt + max_tokens), more than the limit of {max_request_tokens}: "
+                                 "lower max_tokens or n, or send fewer prompts")
         self._add_all(requests)
         return [r.request_id for r in requests]
 
@@ -266,9 +275,12 @@ class LLM:
         for m in conversation:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
                 raise ValueError(f"each message must be {{'role': str, 'content': str or text parts}}, got {m!r}")
+            if m["role"] not in CHAT_ROLES:
+                raise ValueError(f"message {len(messages)} has the role {m['role']!r}; the roles are "
+                                 f"{', '.join(repr(r) for r in CHAT_ROLES)}")
             content = message_text(m["content"])
             check_unicode(content, f"the content of message {len(messages)}")
-            messages.append({**m, "content": content})
+            messages.append({**m, "role": "system" if m["role"] == "developer" else m["role"], "content": content})
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True) -> dict:

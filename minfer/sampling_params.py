@@ -49,34 +49,44 @@ class SamplingParams:
         def bad(what: str, value, allowed: str) -> ValueError:
             return ValueError(f"{what} must be {allowed}, got {value!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        # types first, strictly (as OpenAI's API and vLLM's): True is not 1, "2" is not 2
+        for name, kind in (("n", int), ("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float),
+                           ("seed", int), ("max_tokens", int), ("logprobs", int), ("prompt_logprobs", int),
+                           ("ignore_eos", bool), ("include_stop_str_in_output", bool), ("skip_special_tokens", bool)):
+            value = getattr(self, name)
+            if value is None and name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
+                continue
+            if not _has_type(value, kind):
+                allowed = {int: "an integer", float: "a number", bool: "True or False"}[kind]
+                raise TypeError(f"{name} must be {allowed}, got {type(value).__name__} {value!r}")
+        if self.n < 1:
             raise bad("n", self.n, "an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
+        if not 0 <= self.temperature < math.inf:
             raise bad("temperature", self.temperature, "a finite number >= 0 (0 means greedy)")
         if 0 < self.temperature < MIN_TEMPERATURE:
             warnings.warn(f"temperature {self.temperature} is below {MIN_TEMPERATURE}, where the softmax turns into "
                           f"infinities and NaN: raised to {MIN_TEMPERATURE} (as vLLM does); use 0 for greedy", stacklevel=3)
             self.temperature = MIN_TEMPERATURE
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not 0 < self.top_p <= 1:
             raise bad("top_p", self.top_p, "in (0, 1]")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+        if self.top_k < -1:
             raise bad("top_k", self.top_k, "an integer >= 1, or 0 / -1 to disable")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+        if not 0 <= self.min_p <= 1:
             raise bad("min_p", self.min_p, "in [0, 1]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise bad("max_tokens", self.max_tokens, "an integer >= 1 (or None: up to the context window)")
-        if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**63):
+        if self.seed is not None and not -2**63 <= self.seed < 2**63:
             raise bad("seed", self.seed, "None or an integer in [-2**63, 2**63) (a 64-bit seed)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS):
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise bad(name, value, f"None or an integer in [0, {MAX_LOGPROBS}] (0: only the chosen token)")
         if not (self.stop is None or isinstance(self.stop, (str, list, tuple))) \
                 or any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise bad("stop", self.stop, "a non-empty string or a list of them")
         if self.stop_token_ids is not None and (
                 not isinstance(self.stop_token_ids, (list, tuple))
-                or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids)):
+                or any(not _has_type(t, int) or t < 0 for t in self.stop_token_ids)):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of token ids (integers >= 0)")
 
     @property
@@ -91,3 +101,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _has_type(value, kind: type) -> bool:
+    """Strict: a bool is no number, a float no integer; an integer is a number (1 for 1.0)."""
+    if kind is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, (int, float) if kind is float else int)

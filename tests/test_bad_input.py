@@ -13,19 +13,32 @@ from minfer import LLM, SamplingParams
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
     (dict(top_k=-2), "top_k must be an integer >= 1, or 0 / -1"),
-    (dict(top_k=2.5), "top_k must be an integer"),
     (dict(n=0), "n must be an integer >= 1"),
     (dict(stop=[""]), "stop must be a non-empty string"),
     (dict(stop=5), "stop must be a non-empty string or a list of them, got 5"),
     (dict(stop_token_ids=5), r"stop_token_ids must be a list of token ids \(integers >= 0\), got 5"),
     (dict(stop_token_ids=[-1]), "stop_token_ids must be a list of token ids"),
     (dict(stop_token_ids=[True]), "stop_token_ids must be a list of token ids"),
-    (dict(seed="abc"), "seed must be None or an integer"),
     (dict(seed=2 ** 64), r"seed must be None or an integer in \[-2\*\*63, 2\*\*63\)"),
     (dict(min_p=2), r"min_p must be in \[0, 1\]"),
 ])
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,message", [  # strict types, as OpenAI's API and vLLM: True is not 1, "2" not 2
+    (dict(top_k=2.5), "top_k must be an integer, got float 2.5"),
+    (dict(seed="abc"), "seed must be an integer, got str 'abc'"),
+    (dict(temperature=True), "temperature must be a number, got bool True"),
+    (dict(n=True), "n must be an integer, got bool True"),
+    (dict(max_tokens="2"), "max_tokens must be an integer, got str '2'"),
+    (dict(top_p="0.9"), "top_p must be a number, got str"),
+    (dict(logprobs=True), "logprobs must be an integer, got bool"),
+    (dict(ignore_eos=1), "ignore_eos must be True or False, got int 1"),
+])
+def test_sampling_params_of_the_wrong_type(kwargs, message):
+    with pytest.raises(TypeError, match=message):
         SamplingParams(**kwargs)
 
 
@@ -64,6 +77,10 @@ def test_bad_chat_messages(llm):
         llm.chat([{"role": "user"}], use_tqdm=False)
     with pytest.raises(ValueError, match="content parts must be {'type': 'text', 'text': str}, got {'type': 'image_url'"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], use_tqdm=False)
+    with pytest.raises(ValueError, match="message 1 has the role 'wizard'; the roles are 'system', 'user'"):
+        llm.chat([{"role": "user", "content": "Hi"}, {"role": "wizard", "content": "x"}], use_tqdm=False)
+    developer = llm.apply_chat_template([{"role": "developer", "content": "Be brief."}])
+    assert developer == llm.apply_chat_template([{"role": "system", "content": "Be brief."}])
 
 
 def test_a_temperature_too_small_for_the_softmax_is_raised_to_the_floor_and_the_batch_goes_on(llm):

@@ -327,12 +327,3 @@ def test_streamed_n_and_echo_match_the_whole_answers(server):
     echoed = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True)
     plain = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
     assert echoed.choices[0].text == PROMPTS[0] + plain.choices[0].text
-
-
-def test_streamable_text_holds_back_what_may_change():
-    from minfer.serving.protocol import streamable_text
-
-    assert streamable_text("Hello wor", False, None) == "Hello wor"
-    assert streamable_text("Hello\n", False, ["\n\n"]) == "Hello"  # may become the stop string
-    assert streamable_text("Hello\n", True, ["\n\n"]) == "Hello\n"  # finished: all of it
-    assert streamable_text("ab END", False, "ENDING") == "ab "

@@ -70,6 +70,27 @@ class EngineStats:
         return self.distinct_experts_sum / (self.moe_steps * layers) if self.moe_steps else 0.0
 
 
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's state at one moment, frozen: what another thread may read (a server's event loop)
+    while the engine thread goes on changing the live state."""
+
+    version: int  # grows with every snapshot: a later one replaces an earlier one, never the reverse
+    num_running: int  # sequences in the running batch
+    num_waiting: int  # sequences waiting for a place in it (preempted ones included)
+    num_requests: int  # requests the engine holds
+    has_unfinished: bool  # anything running or waiting: another step has work
+    num_free_blocks: int
+    num_blocks: int
+    prefix_hit_rate: float
+    steps: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks in use (1 = full)."""
+        return 1 - self.num_free_blocks / self.num_blocks
+
+
 class Engine:
     def __init__(self, model: LlamaModel, tokenizer, config: Optional[EngineConfig] = None, *,
                  use_kernels: Optional[bool] = None, runner: Optional[ModelRunner] = None,
@@ -102,6 +123,7 @@ class Engine:
                                                           config.max_model_len, config.dtype, config.device)
         self.num_speculative_tokens = config.num_speculative_tokens or 0
         self.spec_stats = SpecDecodeStats()
+        self._snapshots = 0
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -153,6 +175,13 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def snapshot(self) -> EngineSnapshot:
+        """The state now, frozen (call it on the thread that steps the engine)."""
+        self._snapshots += 1
+        return EngineSnapshot(self._snapshots, len(self.scheduler.running), len(self.scheduler.waiting),
+                              len(self.requests), self.scheduler.has_unfinished(), self.blocks.num_free_blocks, self.blocks.num_blocks,
+                              self.prefix_hit_rate, self.stats.steps)
+
     # ---------------------------------------------------------------- one step
     def step(self) -> list[RequestOutput]:
         if self.proposer is not None:
@@ -165,18 +194,26 @@ class Engine:
         output = self.runner.run(batch)
         if self.moe_blocks:
             self.stats.record_expert_load(last_expert_load(self.moe_blocks, output.num_tokens, self.model.config.num_experts))
-        self._score_prompts(output)
+        failed = self._score_prompts(output)
         self._advance(batch, output.num_tokens)
+        for request, exc in failed:
+            self._fail(request, exc)
         self.stats.padding_tokens += output.num_padding
-        return self._postprocess(output)
+        return self._postprocess(output, {request.request_id: request for request, _ in failed})
 
-    def _score_prompts(self, output: StepOutput) -> None:
-        """prompt_logprobs: the logits at prompt positions follow the sampling rows."""
-        at = output.sampled[-1][1].stop if output.sampled else 0
+    def _score_prompts(self, output: StepOutput) -> list[tuple[Request, Exception]]:
+        """prompt_logprobs: the logits at prompt positions follow the sampling rows. Returns the
+        requests whose scoring raised: each fails alone, once the step's tokens are counted."""
+        at, failed = output.sampled[-1][1].stop if output.sampled else 0, []
         for seq, first, last in output.scored:
-            seq.prompt_logprobs += logprobs_of(output.logits[at:at + last - first], seq.prompt_token_ids[first + 1:last + 1],
-                                               seq.params.prompt_logprobs, self.tokenizer)
+            try:
+                seq.prompt_logprobs += logprobs_of(output.logits[at:at + last - first],
+                                                   seq.prompt_token_ids[first + 1:last + 1],
+                                                   seq.params.prompt_logprobs, self.tokenizer)
+            except Exception as exc:
+                failed.append((self.requests[seq.request_id], exc))
             at += last - first
+        return failed
 
     def _advance(self, batch: list[tuple[Sequence, int]], num_tokens: int) -> None:
         """The scheduled tokens are in the cache now: count them, and seal the blocks they filled."""
@@ -190,9 +227,10 @@ class Engine:
         self.stats.steps += 1
         self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, self.blocks.num_blocks - self.blocks.num_free_blocks)
 
-    def _postprocess(self, output: StepOutput) -> list[RequestOutput]:
-        """Append each sampled token (or the accepted drafts), finish what is done, report who moved."""
-        touched = {}
+    def _postprocess(self, output: StepOutput, failed: dict[str, Request]) -> list[RequestOutput]:
+        """Append each sampled token (or the accepted drafts), finish what is done, report who moved
+        (the requests that failed earlier in the step among them)."""
+        touched = dict(failed)
         for (seq, rows), token in zip(output.sampled, output.tokens):
             request = self.requests.get(seq.request_id)
             if request is None:  # its request failed earlier in this loop

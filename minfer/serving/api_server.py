@@ -11,9 +11,16 @@ Every handler does the same three things: turn the body into prompts and `Sampli
 them to the async engine (minfer/serving/async_engine.py), and turn the outputs that arrive into
 OpenAI's response, all at once or as a stream of deltas.
 
-Bad input never gets a 500: a body the schema refuses, or a value the engine refuses (its
-ValueError), is a 400 in OpenAI's error format; an unknown model name a 404. A client that goes
-away has its requests aborted, so their KV blocks return to the pool within a step or two.
+Bad input never gets a 500: a body the schema refuses (types are strict: true is not 1), or a
+value the engine refuses (its ValueError), is a 400 in OpenAI's error format; an unknown model
+name a 404. A client that goes away has its requests aborted, so their KV blocks return to the
+pool within a step or two.
+
+One client cannot hurt the others. Each request's work is bounded (`RequestLimits`: n, stop
+strings, stop tokens; --max-request-tokens: the KV cache its sequences may hold); the waiting
+queue has a bound that holds under bursts (--max-waiting-requests); a request's headers and
+body must arrive within --request-read-timeout; idle connections close after
+--timeout-keep-alive; past --limit-concurrency connections new requests get 503.
 """
 from __future__ import annotations
 
@@ -21,16 +28,19 @@ import argparse
 import asyncio
 import hmac
 import json
+import logging
 import os
 import sys
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Optional
 
+import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from minfer.config import add_engine_arguments, engine_kwargs_from_args
 from minfer.llm import LLM
@@ -40,12 +50,19 @@ from minfer.serving.async_engine import AsyncEngine, QueueFull, RequestFailed, R
 from minfer.serving.metrics import ServerMetrics
 
 MAX_BODY_BYTES = 4 * 2**20  # a request body larger than this gets 413 (about a million tokens of text)
+REQUEST_READ_TIMEOUT_S = 30.0  # a request whose headers or body take longer gets cut off (408)
+LIMIT_CONCURRENCY = 512  # connections and requests at once; past it, uvicorn answers 503
 
 
 def build_app(llm: LLM, served_model_name: str, api_key: Optional[str] = None,
-              max_waiting_requests: Optional[int] = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The FastAPI app serving `llm` under `served_model_name` (the engine loop starts with the app)."""
-    engine = AsyncEngine(llm, max_waiting_requests)
+              max_waiting_requests: Optional[int] = None, max_body_bytes: int = MAX_BODY_BYTES,
+              limits: api.RequestLimits = api.RequestLimits(), max_request_tokens: Optional[int] = None,
+              request_read_timeout: float = REQUEST_READ_TIMEOUT_S) -> FastAPI:
+    """The FastAPI app serving `llm` under `served_model_name` (the engine loop starts with the app).
+
+    max_request_tokens: the most KV-cache tokens one request's sequences may hold (None: the whole pool)."""
+    pool_tokens = llm.engine.blocks.num_blocks * llm.engine.blocks.block_size
+    engine = AsyncEngine(llm, max_waiting_requests, max_request_tokens=max_request_tokens or pool_tokens)
     metrics = ServerMetrics(engine, served_model_name)
     engine.listener = metrics
 
@@ -57,7 +74,7 @@ def build_app(llm: LLM, served_model_name: str, api_key: Optional[str] = None,
 
     app = FastAPI(title="minfer", lifespan=lifespan)
     app.state.engine = engine
-    app.add_middleware(Gate, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(Gate, api_key=api_key, max_body_bytes=max_body_bytes, read_timeout=request_read_timeout)
     _add_error_handlers(app)
 
     def check_model(name: Optional[str]) -> None:
@@ -75,12 +92,13 @@ def build_app(llm: LLM, served_model_name: str, api_key: Optional[str] = None,
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": api.now(),
-                                             "owned_by": "minfer", "root": str(llm.model_path),
+                                             "owned_by": "minfer", "root": served_model_name,
                                              "max_model_len": llm.max_model_len}]}
 
     @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest, raw: Request) -> Response:
         check_model(body.model)
+        limits.check(body)
         if body.suffix:
             raise ValueError("suffix is not supported by minfer")
         if body.echo and body.logprobs is not None:
@@ -128,6 +146,7 @@ def build_app(llm: LLM, served_model_name: str, api_key: Optional[str] = None,
     @app.post("/v1/chat/completions")
     async def chat_completions(body: api.ChatCompletionRequest, raw: Request) -> Response:
         check_model(body.model)
+        limits.check(body)
         top_n = body.logprobs_count()
         params = body.sampling_params(body.token_limit(), top_n)
         prompt = await engine.run_on_engine_thread(llm.chat_prompt, body.conversation(), body.add_generation_prompt)
@@ -259,13 +278,14 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 class Gate:
-    """ASGI middleware in front of every route: the API key (on /v1/ only) and the body-size limit.
+    """ASGI middleware in front of every route: the API key (on /v1/ only), the body's type, size and
+    arrival time. The body is read here, whole, and handed on.
 
     (Plain ASGI rather than FastAPI's decorator middleware, which would buffer streamed
     responses and hide client disconnects from the handlers.)"""
 
-    def __init__(self, app, api_key: Optional[str], max_body_bytes: int) -> None:
-        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+    def __init__(self, app, api_key: Optional[str], max_body_bytes: int, read_timeout: float) -> None:
+        self.app, self.api_key, self.max_body_bytes, self.read_timeout = app, api_key, max_body_bytes, read_timeout
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -276,22 +296,34 @@ class Gate:
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 return await _send_error(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                          "AuthenticationError")
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        content_type = headers.get(b"content-type", b"application/json").split(b";")[0].strip().lower()
+        if content_type != b"application/json" and not content_type.endswith(b"+json"):
+            return await _send_error(send, 415, f"the body is {content_type.decode('latin-1')!r}; this API takes JSON: "
+                                     "send it with 'Content-Type: application/json'", "UnsupportedMediaType")
         declared = headers.get(b"content-length")
-        if declared is not None and int(declared) > self.max_body_bytes:
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             return await _send_error(send, 413, f"the request body has {int(declared)} bytes; the limit is "
                                      f"{self.max_body_bytes}", "RequestTooLarge")
-        if declared is None and scope["method"] in ("POST", "PUT", "PATCH"):  # chunked: count it as it comes
-            body = b""
-            while True:
-                message = await receive()
-                body += message.get("body", b"")
-                if len(body) > self.max_body_bytes:
-                    return await _send_error(send, 413, f"the request body is over the limit of {self.max_body_bytes} "
-                                             "bytes", "RequestTooLarge")
-                if not message.get("more_body"):
-                    break
-            receive = _replay(body, receive)
-        await self.app(scope, receive, send)
+        chunks, size = [], 0
+        deadline = asyncio.get_running_loop().time() + self.read_timeout
+        while True:  # a client that stalls mid-body is cut off at the deadline
+            try:
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except TimeoutError:
+                return await _send_error(send, 408, f"the request body did not arrive within {self.read_timeout:g} s",
+                                         "RequestTimeout")
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                return await _send_error(send, 413, f"the request body is over the limit of {self.max_body_bytes} "
+                                         "bytes", "RequestTooLarge")
+            if not message.get("more_body"):
+                break
+        await self.app(scope, _replay(b"".join(chunks), receive), send)
 
 
 def _replay(body: bytes, receive):
@@ -323,6 +355,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting-requests", type=int, default=None,
                         help="refuse new requests with 503 while this many wait for a place in the batch")
     parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="larger request bodies get 413")
+    defaults = api.RequestLimits()
+    parser.add_argument("--max-n", type=int, default=defaults.max_n, help="the most completions per prompt (n)")
+    parser.add_argument("--max-stop-strings", type=int, default=defaults.max_stop_strings,
+                        help="the most stop strings in one request")
+    parser.add_argument("--max-stop-string-chars", type=int, default=defaults.max_stop_string_chars,
+                        help="the longest stop string, in characters")
+    parser.add_argument("--max-stop-token-ids", type=int, default=defaults.max_stop_token_ids,
+                        help="the most stop_token_ids in one request")
+    parser.add_argument("--max-request-tokens", type=int, default=None,
+                        help="the most KV-cache tokens one request may hold: for each of its sequences, prompt + "
+                             "max_tokens (default: the whole KV pool)")
+    parser.add_argument("--request-read-timeout", type=float, default=REQUEST_READ_TIMEOUT_S,
+                        help="seconds a request's headers, and then its body, may take to arrive (else 408 / closed)")
+    parser.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                        help="close an idle keep-alive connection after this many seconds")
+    parser.add_argument("--limit-concurrency", type=int, default=LIMIT_CONCURRENCY,
+                        help="the most connections and requests at once; past it new requests get 503")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds to let running requests finish before they are aborted")
     parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
@@ -334,27 +383,72 @@ def serve(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model, **engine_kwargs_from_args(args))
     name = args.served_model_name or args.model
-    app = build_app(llm, name, args.api_key, args.max_waiting_requests, args.max_body_bytes)
+    limits = api.RequestLimits(args.max_n, args.max_stop_strings, args.max_stop_string_chars, args.max_stop_token_ids)
+    app = build_app(llm, name, args.api_key, args.max_waiting_requests, args.max_body_bytes, limits,
+                    args.max_request_tokens, args.request_read_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout)
-    server = _GracefulServer(config, app.state.engine)
+                            http=_with_header_timeout(args.request_read_timeout),
+                            timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency,
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5)  # a backstop: see _GracefulServer
+    server = _GracefulServer(config, app.state.engine, args.shutdown_timeout)
+    logging.getLogger("minfer").setLevel(args.log_level.upper())
     print(f"minfer: serving {name} ({llm.dtype}, {llm.device}) on http://{args.host}:{args.port}/v1", file=sys.stderr,
           flush=True)
     server.run()
     return 0
 
 
+def _with_header_timeout(seconds: float) -> type:
+    """uvicorn's HTTP/1.1 protocol, closing a connection whose request line and headers have not all
+    arrived `seconds` after it opened or after its last response (a slow-headers client holds a
+    connection open for free otherwise)."""
+
+    class HeaderTimeoutH11Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._header_timer = self.loop.call_later(seconds, self._headers_too_slow)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._header_timer.cancel()
+            self._header_timer = self.loop.call_later(seconds, self._headers_too_slow)
+
+        def connection_lost(self, exc) -> None:
+            self._header_timer.cancel()
+            super().connection_lost(exc)
+
+        def _headers_too_slow(self) -> None:
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():  # no request under way
+                self.transport.close()
+
+    return HeaderTimeoutH11Protocol
+
+
 class _GracefulServer(uvicorn.Server):
-    """uvicorn's server, told that a signal means: stop admitting, let running requests finish, exit 0.
+    """uvicorn's server, told that a signal means: stop admitting, let running requests finish for up to
+    `shutdown_timeout` seconds, then end what is left (each stream with an error event and [DONE]), exit 0.
 
-    (uvicorn itself re-raises the signal once it has stopped, which would end the process with -15.)"""
+    (uvicorn itself re-raises the signal once it has stopped, which would end the process with -15;
+    and at its own graceful timeout it cancels the handlers, which cuts streams without a word.)"""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, shutdown_timeout: float) -> None:
         super().__init__(config)
-        self.engine = engine
+        self.engine, self.shutdown_timeout = engine, shutdown_timeout
 
     def handle_exit(self, sig, frame) -> None:
         self.engine.accepting = False
         if self.should_exit:  # a second signal: stop waiting for running requests
             self.force_exit = True
         self.should_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        async def end_at_deadline() -> None:
+            await asyncio.sleep(self.shutdown_timeout)
+            self.engine.end_all(f"the server shut down before the request finished (--shutdown-timeout "
+                                f"{self.shutdown_timeout:g} s)")
+
+        deadline = asyncio.create_task(end_at_deadline())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()

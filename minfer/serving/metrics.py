@@ -35,7 +35,6 @@ class ServerMetrics:
     def __init__(self, async_engine, model_name: str) -> None:
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
-        engine = async_engine.llm.engine
 
         def gauge(name: str, doc: str, read) -> None:
             g = Gauge(PREFIX + name, doc, list(labels), registry=self.registry)
@@ -44,9 +43,9 @@ class ServerMetrics:
         gauge("num_requests_running", "Sequences in the running batch.", lambda: async_engine.num_running)
         gauge("num_requests_waiting", "Sequences waiting for a place in the batch.", lambda: async_engine.num_waiting)
         gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
-              lambda: 1 - engine.blocks.num_free_blocks / engine.blocks.num_blocks)
+              lambda: async_engine.snapshot.kv_cache_usage)
         gauge("gpu_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens admitted.",
-              lambda: engine.prefix_hit_rate)
+              lambda: async_engine.snapshot.prefix_hit_rate)
 
         def counter(name: str, doc: str, extra: tuple = ()) -> Counter:
             return Counter(PREFIX + name, doc, [*labels, *extra], registry=self.registry)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -19,7 +20,35 @@ from minfer.sampling_params import SamplingParams
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # a misspelled field is an error, not silently ignored
+    # a misspelled field is an error, not silently ignored; types are strict, as in OpenAI's API: true is not 1, "2" not 2
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for, beyond the schema: each excess is a 400 naming the server flag."""
+
+    max_n: int = 128  # completions per prompt (OpenAI's own limit)
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 1024
+    max_stop_token_ids: int = 256
+
+    def check(self, body: "_Sampling") -> None:
+        def over(what: str, value: int, limit: int, flag: str) -> ValueError:
+            return ValueError(f"{what} is {value}; this server allows at most {limit} (its {flag})")
+
+        if body.n > self.max_n:
+            raise over("n", body.n, self.max_n, "--max-n")
+        stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+        if len(stops) > self.max_stop_strings:
+            raise over("the number of stop strings", len(stops), self.max_stop_strings, "--max-stop-strings")
+        longest = max(map(len, stops), default=0)
+        if longest > self.max_stop_string_chars:
+            raise over("the longest stop string's length", longest, self.max_stop_string_chars,
+                       "--max-stop-string-chars")
+        if len(body.stop_token_ids or ()) > self.max_stop_token_ids:
+            raise over("the number of stop_token_ids", len(body.stop_token_ids), self.max_stop_token_ids,
+                       "--max-stop-token-ids")
 
 
 class StreamOptions(_Strict):
@@ -100,8 +129,7 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
 
     def conversation(self) -> list[dict]:
-        # "developer" is OpenAI's newer name for "system"
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in self.messages]
+        return [{"role": m.role, "content": m.content} for m in self.messages]
 
     def token_limit(self) -> Optional[int]:
         if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
@@ -169,18 +197,48 @@ def chat_logprobs(entries: list[dict[int, Logprob]], top_n: int) -> dict:
     return {"content": content}
 
 
-def streamable_text(text: str, finished: bool, stop: Optional[Union[str, list[str]]]) -> str:
-    """The part of a completion's text so far that can be sent and never taken back.
+class HoldBack:
+    """How much of a growing text to hold back from a stream because it could still become a stop string.
 
     Text that could be the start of a stop string is cut off if the stop string completes (it
-    must never have been streamed), so it is held back until the next token settles it. (The
-    other thing that could change, a character whose UTF-8 bytes are split over tokens, never
-    shows: the engine's detokenizer holds it back itself, `minfer.detokenizer`.)"""
-    if finished:
-        return text
-    stops = [stop] if isinstance(stop, str) else (stop or [])
-    held = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-    return text[:len(text) - held]
+    must never have been streamed), so it waits until the next tokens settle it. That amount is
+    the longest proper prefix of a stop string that ends the text. Searching for it afresh costs
+    the square of the stop string's length at every chunk; a Knuth-Morris-Pratt automaton per
+    stop string, fed only the new characters, costs in proportion to the new text. (The other
+    thing that could change, a character whose UTF-8 bytes are split over tokens, never shows:
+    the engine's detokenizer holds it back itself, `minfer.detokenizer`.)"""
+
+    def __init__(self, stop: Optional[Union[str, list[str]]]) -> None:
+        self.stops = [stop] if isinstance(stop, str) else list(stop or [])
+        self.fallback = [_prefix_function(s) for s in self.stops]
+        self.matched = [0] * len(self.stops)  # per stop string: the longest prefix of it that ends the text
+        self.fed = 0  # characters of the text fed so far
+
+    def held(self, text: str) -> int:
+        """Characters at the end of `text` (the text so far, grown since the last call) to hold back."""
+        new, self.fed = text[self.fed:], len(text)
+        longest = 0
+        for i, (s, fallback) in enumerate(zip(self.stops, self.fallback)):
+            k = self.matched[i]
+            for ch in new:
+                while k and (k == len(s) or s[k] != ch):
+                    k = fallback[k - 1]
+                if s[k] == ch:
+                    k += 1
+            self.matched[i] = k
+            longest = max(longest, fallback[k - 1] if k == len(s) else k)  # a proper prefix: shorter than s
+        return longest
+
+
+def _prefix_function(s: str) -> list[int]:
+    """pi[i]: the length of the longest proper prefix of s[:i + 1] that is also a suffix of it (KMP's table)."""
+    pi = [0] * len(s)
+    for i in range(1, len(s)):
+        k = pi[i - 1]
+        while k and s[i] != s[k]:
+            k = pi[k - 1]
+        pi[i] = k + (s[i] == s[k])
+    return pi
 
 
 class StreamState:
@@ -193,6 +251,7 @@ class StreamState:
 
     def __init__(self, stop: Optional[Union[str, list[str]]]) -> None:
         self.stop = stop
+        self._hold_back: dict[tuple[int, int], HoldBack] = {}
         # choice -> (characters, logprob entries) sent, and where the next entry's token starts in the text
         self._sent: dict[tuple[int, int], tuple[int, int, int]] = {}
         self._done: set[tuple[int, int]] = set()
@@ -210,7 +269,8 @@ class StreamState:
             return None
         chars, entries, offset = self._sent.get(key, (0, 0, 0))
         finished = c.finish_reason is not None
-        text = streamable_text(c.text, finished, self.stop)
+        hold_back = self._hold_back.setdefault(key, HoldBack(self.stop))
+        text = c.text if finished else c.text[:len(c.text) - hold_back.held(c.text)]
         if len(text) <= chars and not finished:
             return None
         new_entries = (c.logprobs or [])[entries:]
