@@ -48,7 +48,7 @@ from minfer.testing import MODEL_SHAPES, random_checkpoint
 TokenIds = list[int]
 DOCS_START = "<!-- bench_generate:start -->"
 DOCS_END = "<!-- bench_generate:end -->"
-# Targets from the engine issues: batch-1 decode at least 0.85x the speed of the matmul floor,
+# Targets: batch-1 decode at least 0.85x the speed of the matmul floor,
 # and at least 1.3x the decode speed of transformers' generate in the same dtype.
 TARGET_FLOOR_FRACTION = 0.85
 TARGET_VS_TRANSFORMERS = 1.3

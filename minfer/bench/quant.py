@@ -61,7 +61,7 @@ CONFIGS = {
 }
 HONEST = ("none", "int8 weights", "int4 g64", "awq g64", "gptq g64", "int4 g32", "awq g32")  # measured again on the scrambled model
 
-# the issue's targets: perplexity increase at most, bytes ratio to bfloat16 at least, speed vs llama.cpp
+# the benchmark's targets: perplexity increase at most, bytes ratio to bfloat16 at least, speed vs llama.cpp
 TARGETS = {"ppl": {"int8 weights": 0.01, "int4 g64": 0.05, "awq g64": 0.05, "gptq g64": 0.05, "int8 KV": 0.005,
                    "fp8 KV": 0.01},
            "scrambled_ppl": {"gptq g64": 0.08},
@@ -287,7 +287,7 @@ def merge_results(saved: dict, new: dict) -> dict:
 
 
 def check_targets(result: dict) -> list[dict]:
-    """The issue's targets, each with the measured value and pass / miss (None: not measured)."""
+    """The benchmark's targets (TARGETS), each with the measured value and pass / miss (None: not measured)."""
     rows = {r["config"]: r for r in result["rows"]}
     checks = []
     for name, limit in TARGETS["ppl"].items():

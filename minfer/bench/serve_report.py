@@ -15,7 +15,7 @@ from minfer.bench.latency import LATENCY_METRICS, MIN_SWEEP_PROMPTS
 DOCS_START = "<!-- bench_serve:start -->"
 DOCS_END = "<!-- bench_serve:end -->"
 DOCS_HEADING = "## Serving under load: `python -m minfer bench serve`"
-# Targets on CPU (issue 11): sustainable rate under p99 TTFT <= 2 s, minfer against its one-at-a-time
+# Targets on CPU: sustainable rate under p99 TTFT <= 2 s, minfer against its one-at-a-time
 # server, and against llama.cpp's server where that one is measured.
 TARGETS = {"minfer_vs_one_at_a_time": 5.0, "minfer_vs_llama_cpp": 2.0}
 

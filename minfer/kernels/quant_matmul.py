@@ -30,26 +30,26 @@ registers, one tile at a time; memory is read in the small format.
   and needs one scale and one minimum per row: ``w = q * scale + min``.
 
 Tiles: a decode step has one row, so the grid is one program per ``BLOCK_N`` outputs, and narrow tiles
-are what put many SMs to work. ``benchmarks/tune_quant_matmul.py`` timed every choice on an H200
-(docs/benchmarks.md): for Llama-3.1-8B's 4096 x 14336 down projection the first defaults (64 outputs,
-K steps of 64 or 32) took 111 us in int8 and 772 us in int4, against 42 us for dense bfloat16; 32
+are what put many SMs to work. ``benchmarks/tune_quant_matmul.py`` times every choice on an H200
+(docs/benchmarks.md): for Llama-3.1-8B's 4096 x 14336 down projection, tiles of 64 outputs with
+K steps of 64 or 32 take 111 us in int8 and 772 us in int4, against 42 us for dense bfloat16; 32
 outputs and K steps of 256 bring int8 to 41 us (as fast as dense, from half the bytes), 16 outputs and
 K steps of 64 bring int4 to 245 us. (Those are for bfloat16 activations; float32 ones keep the shorter
 K steps, which their exact products need to fit in registers.) int4 stays far from its bytes' worth: each weight costs a shift, a
 mask, a multiply and an add on the CUDA cores before the tensor cores see it.
-Two rewrites of the int4 step were tried and not kept, judged by the SASS of the compiled K loop
+Two rewrites of the int4 step do not pay, judged by the SASS of the compiled K loop
 (sm_90, bfloat16, group 64, ``nvdisasm`` on Triton's cubin): loading each byte once and running two dots,
 over the even columns with the low nibbles and the odd columns with the high ones (297 instructions
 against 182), and on top of that multiplying the bare codes and applying the group's scale and minimum
 after the sum (318). The byte-to-float conversions and the layout shuffles they add cost more than the
-second load of each byte that they save. The fast int4 kernels convert with bit tricks instead (a code
-ORed into the mantissa of a float constant); that, and a GPU to time it, is the next step.
+second load of each byte that they save. The fast int4 kernels elsewhere convert with bit tricks instead (a
+code ORed into the mantissa of a float constant), which this kernel does not.
 
 Split-K: cutting K into ``num_splits`` slices (a third grid axis) gives still more programs: each sums
 its slice into a float32 partial, and a ``sum`` over the slices finishes the job, at the price of that
 sum (and a cast) as two more launches. ``num_splits=None`` lets ``num_k_splits`` choose (toward two
-programs per SM, slices of at least four K steps). On the H200 it helped only the large matrix and
-cost more than it gained at SmolLM2's sizes, so the default is one slice.
+programs per SM, slices of at least four K steps). On the H200 it helps only the large matrix and
+costs more than it gains at SmolLM2's sizes, so the default is one slice.
 
 A tensor core multiplies tiles of at least 16 rows, so a decode step's single row is padded to
 ``BLOCK_M = 16`` and masked (older Triton versions refuse a smaller ``tl.dot``; newer ones pad it

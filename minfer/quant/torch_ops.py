@@ -5,7 +5,7 @@ PyTorch ships two weight-only kernels for CPUs (the ones torchao and gpt-fast ca
     torch.ops.aten._weight_int8pack_mm(x [M, K], q int8 [N, K], scale [N])                  x @ (q * s).T
     torch.ops.aten._weight_int4pack_mm_for_cpu(x [M, K], w, group_size, scale_and_zero)     x @ W.T, int4
 
-What we measured (torch 2.13, x86, one thread, a 3072x576 matrix):
+Measured (torch 2.13, x86, one thread, a 3072x576 matrix):
 - At batch 1, with bfloat16 activations, both are fast: each reads the small format and beats a bfloat16 or
   float32 dense matmul, as a memory-bound decode step should.
 - With float32 activations both fall back to a generic loop about 20x slower than the dense
