@@ -86,7 +86,6 @@ MACHINE_PATH = ("a path on one machine", re.compile(r"(?<![\w.~$-])/(?:work|root
 TMP_PATH = ("a temporary folder of one machine", re.compile(r"(?<![\w.~$-])/tmp/"))
 # Files that still carry such words, with what they say; remove an entry once its file is reworded.
 MAKING_OF_KNOWN = {
-    "README.md",  # "a machine that only takes 64 MiB per call"
     "benchmarks/bench_serve_notes.md",  # "measured at commit 6262a2e"
 }
 
