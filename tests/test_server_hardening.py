@@ -284,3 +284,14 @@ def test_a_stream_cut_by_the_shutdown_timeout_ends_with_an_error_event_and_done(
     assert events[-1] == "[DONE]"
     assert "shut down before the request finished" in json.loads(events[-2])["error"]["message"], events[-2:]
     assert s.proc.wait(30) == 0
+
+
+@pytest.mark.slow
+def test_a_short_hostile_soak(tiny_model):
+    from minfer.bench.hostile import hostile_soak
+
+    result = hostile_soak(tiny_model, seconds=8, seed=1)
+    assert result["ordinary_answers"] > 0 and result["hostile_actions"] > 0, result
+    assert result["ordinary_mismatches"] == result["server_errors"] == result["dropped_connections"] == 0, result
+    assert result["running_at_end"] == result["waiting_at_end"] == result["kv_cache_usage_at_end"] == 0, result
+    assert result["status_codes"].get(400, 0) > 0, result  # the refused kinds were refused

@@ -1,6 +1,7 @@
 """The soak benchmark: thousands of mixed requests through the engine, memory sampled as they go.
 
     python -m minfer bench soak --requests 5000 --sample-every 250       # one configuration
+    python -m minfer bench soak --server --hostile --seconds 90          # hostile clients: minfer/bench/hostile.py
     python benchmarks/bench_soak.py                                       # the variants side by side, docs
 
 A server runs for days. Whatever grows a little per request (a cache with no bound, a tensor
@@ -334,6 +335,10 @@ def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", dest="json_path", default=None, help="write the result here")
     parser.add_argument("--server", action="store_true",
                         help="through `python -m minfer serve` with concurrent openai clients (aborts become disconnects)")
+    parser.add_argument("--hostile", action="store_true",
+                        help="with --server: ordinary clients beside hostile ones (degenerate settings, bursts, stalled "
+                             "bodies, disconnects) for --seconds; checks answers, 5xx, leaks and /health latency")
+    parser.add_argument("--seconds", type=float, default=90.0, help="how long the hostile soak runs")
     parser.add_argument("--ab", type=int, default=0, metavar="ROUNDS",
                         help="buckets on vs off on the same requests, ROUNDS alternations, process CPU time per step")
     parser.add_argument("--compare", action="store_true",
@@ -355,6 +360,11 @@ def run_soak(args: argparse.Namespace) -> int:
     elif args.compare:
         result = compare_variants(args)
         print(format_table(result))
+    elif args.server and args.hostile:
+        from minfer.bench.hostile import format_hostile, hostile_soak
+
+        result = hostile_soak(args.model, args.seconds, args.dtype, args.seed)
+        print(format_hostile(result))
     elif args.server:
         result = soak_server(args.model, args.requests, args.sample_every, seed=args.seed, dtype=args.dtype,
                              progress=not args.no_progress)
