@@ -1,13 +1,13 @@
-"""The wheels a lent GPU machine lacks for benchmarks/gpu_check.sh, downloaded here for its Python.
+"""The wheels a GPU machine without network lacks for benchmarks/gpu_check.sh, downloaded here for its Python.
 
     python benchmarks/device_wheels.py [--out .whl] [--list]
 
-The device machine (docs/gpu.md) has torch, triton, transformers, matplotlib, pytest and many more, but not
+The GPU machine (docs/gpu.md) has torch, triton, transformers, matplotlib, pytest and many more, but not
 the notebooks' kernel (ipykernel, nbclient), the widgets, the model reader (gguf), or the server and its
 client (fastapi, uvicorn, openai), and nothing can be installed there from a registry. This script takes
 those packages and every dependency they have in this checkout's .venv, at the versions .venv has (the
-versions the tests ran with), leaves out what the device's image already holds (DEVICE_IMAGE, as read
-there), and downloads each as a wheel for the device's Python (3.12 on x86_64 Linux) into --out (`.whl/`,
+versions the tests ran with), leaves out what the GPU machine's image already holds (DEVICE_IMAGE: edit it for
+yours), and downloads each as a wheel for that machine's Python (3.12 on x86_64 Linux) into --out (`.whl/`,
 git-ignored), to be carried to the machine and installed there with `pip install --no-deps --target`.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ DEVICE_PYTHON = "3.12"
 DEVICE_MARKERS = {"extra": "", "python_version": DEVICE_PYTHON, "python_full_version": DEVICE_PYTHON + ".0",
                   "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64"}
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
-# The Python packages of the nvidia-h200 image, as read there on 2026-11-17 (the device tool's KINDS.md).
+# The Python packages the GPU machine's image is known to have (an NVIDIA H200 image): edit for yours.
 DEVICE_IMAGE = set("""
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
 charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core

