@@ -10,7 +10,8 @@ Who does what (the layout of vLLM's and nano-vllm's engines):
   the block manager (so continuous batching, preemption and prefix caching work unchanged) and
   sampling. Each step it prepares the step's tensors as usual, then broadcasts them (token ids,
   positions, each sequence's slice and block table) to the workers (`ParallelModelRunner`).
-* **Ranks 1..N-1** are worker processes started here with torch.multiprocessing (spawn). Each
+* **Ranks 1..N-1** are worker processes started here with torch.multiprocessing (spawn; fork for a
+  script without `if __name__ == "__main__":`, see `start_method`). Each
   holds 1/N of every layer (`minfer.layers.parallel_linear`) and a KV pool of its own for its KV
   heads, with the same block numbering as rank 0's: a block table means the same on every rank.
   A worker waits for a step, runs the same forward pass on its shard, and waits again.
@@ -33,13 +34,17 @@ group); workers stop when it is garbage-collected, at exit, or if rank 0 dies.
 """
 from __future__ import annotations
 
+import ast
 import os
 import pickle
 import queue
 import socket
+import sys
 import threading
 import time
+import traceback
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Optional
 
@@ -109,12 +114,15 @@ class TensorParallelWorkers:
         group_size = resolve_group_size(loaded.config, config.quantization_group_size) if grouped else None
         self.device = torch.device("cuda", 0) if config.device.type == "cuda" else config.device
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        port, context = free_port(), mp.get_context("spawn")  # a fresh interpreter: no threads or CUDA state forked
+        self.start_method = start_method(n)  # "spawn", or "fork" for a script without the __main__ guard
+        context = mp.get_context(self.start_method)
+        target = forked_worker if self.start_method == "fork" else worker_main
+        port = free_port()
         self.processes, ready = [], context.Queue()
         for rank in range(1, n):  # they load while rank 0 builds its own shard
             args = (rank, n, port, backend, shard_config, shard_weights(loaded.weights, rank, n), config.dtype,
                     config.quantization, group_size, attention, os.getpid(), torch.get_num_threads(), ready)
-            process = context.Process(target=worker_main, args=args, daemon=True, name=f"minfer-tp-rank{rank}")
+            process = context.Process(target=target, args=args, daemon=True, name=f"minfer-tp-rank{rank}")
             process.start()
             self.processes.append(process)
         self._stopper = weakref.finalize(self, stop_workers, self.processes, self.device)  # at GC and at exit
@@ -135,6 +143,64 @@ class TensorParallelWorkers:
     def shutdown(self) -> None:
         """Stop the workers now (also done when this object is collected, and at exit)."""
         self._stopper()
+
+
+def start_method(n: int) -> str:
+    """How the workers start: "spawn" (a fresh interpreter: no threads or CUDA state inherited), or "fork".
+
+    Spawn makes each worker import the main script again. A script that builds the LLM at its top level,
+    not under `if __name__ == "__main__":`, would build it again in every worker, which would start workers
+    of its own. Such a script gets fork, a copy of this process that runs nothing again, where fork is safe
+    (as vLLM does): on POSIX, and before CUDA is initialised (a forked child cannot use its parent's CUDA
+    context). Elsewhere it gets an error that names the fix, before any worker starts.
+    """
+    if not called_from_unguarded_script():
+        return "spawn"
+    if "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized():
+        return "fork"
+    why = "CUDA is initialised in this process" if torch.cuda.is_initialized() else "this platform cannot fork"
+    raise RuntimeError(f"tensor_parallel_size={n} starts its workers with spawn ({why}, so fork is not safe), "
+                       "which runs the main script again in each worker: create the LLM under "
+                       "`if __name__ == \"__main__\":` (at the end of the script, or call a main() from there)")
+
+
+def called_from_unguarded_script() -> bool:
+    """Whether spawn would run this call again: it runs at the top level of the main script (itself, or through
+    the functions it calls), outside `if __name__ == "__main__":`. Interactive sessions and notebooks (a main
+    module without a file) and `python -m package` (its __main__.py) are never run again by spawn."""
+    main = sys.modules["__main__"]
+    path, name = getattr(main, "__file__", None), getattr(getattr(main, "__spec__", None), "name", None) or ""
+    if path is None or name.endswith("__main__"):
+        return False
+    lines = [line for frame, line in traceback.walk_stack(sys._getframe())
+             if frame.f_globals is main.__dict__ and frame.f_code.co_name == "<module>"]
+    if not lines:  # called from elsewhere: a thread, an atexit handler
+        return False
+    line = lines[-1]  # the outermost: the script's own top level (not an exec() inside it)
+    try:
+        with open(path, "rb") as f:  # an absolute path since Python 3.9
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return True  # no file to read (code from stdin, '<stdin>'): spawn could not run it either
+    return not any(is_main_guard(node) and node.body[0].lineno <= line <= node.body[-1].end_lineno
+                   for node in tree.body)
+
+
+def is_main_guard(node: ast.stmt) -> bool:
+    """`if __name__ == "__main__":`, either way round."""
+    if not (isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and len(node.test.ops) == 1
+            and isinstance(node.test.ops[0], ast.Eq)):
+        return False
+    a, b = node.test.left, node.test.comparators[0]
+    return (_is_name(a) and _is_main(b)) or (_is_main(a) and _is_name(b))
+
+
+def _is_name(node: ast.expr) -> bool:
+    return isinstance(node, ast.Name) and node.id == "__name__"
+
+
+def _is_main(node: ast.expr) -> bool:
+    return isinstance(node, ast.Constant) and node.value == "__main__"
 
 
 def wait_until_ready(processes: list, ready) -> None:
@@ -221,6 +287,15 @@ def worker_main(rank: int, world_size: int, port: int, backend: str, config: Mod
     # Leave at once: no destroy_process_group (it would wait on rank 0, which waits for this process to
     # end) and no interpreter teardown (seconds of freeing torch's state on a busy machine).
     os._exit(0)
+
+
+def forked_worker(*args) -> None:
+    """`worker_main` for a forked worker, run in a new thread. GNU OpenMP (PyTorch's threads on Linux) keeps the
+    threads of parallel ops in a team per calling thread; fork copies only the calling thread, so the copied team
+    would wait forever for threads that the child does not have (its first multi-threaded op hangs once rank 0 has
+    run one). A new thread starts a new team."""
+    with ThreadPoolExecutor(1) as thread:
+        thread.submit(worker_main, *args).result()  # its exception, if any, ends this process with code 1
 
 
 def _exit_with_parent(parent_pid: int) -> None:
