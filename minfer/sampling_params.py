@@ -14,6 +14,41 @@ from minfer.logprobs import MAX_LOGPROBS
 MIN_TEMPERATURE = 0.01
 
 
+@dataclass(kw_only=True)
+class StructuredOutputsParams:
+    """What shape the output must take (vLLM's `StructuredOutputsParams`; give exactly one):
+
+    json: a JSON schema (a dict or its JSON text): the output is a JSON value valid against it.
+    regex: the output matches this regular expression, whole.
+    choice: the output is one of these strings.
+    grammar: the output is a sentence of this EBNF grammar (GBNF, as llama.cpp writes it; the rule `root` starts).
+    json_object: True: the output is some JSON object.
+    Each is compiled once (and cached) into a mask over the vocabulary, applied at every step
+    (see `minfer.engine.structured_output`)."""
+
+    json: Optional[Union[str, dict]] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs takes exactly one of json, regex, choice, grammar or json_object; got "
+                             f"{', '.join(given) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise TypeError(f"structured_outputs.json must be a JSON schema (a dict or a string), got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise TypeError(f"structured_outputs.{name} must be a string, got {type(getattr(self, name)).__name__}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple))
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise TypeError(f"structured_outputs.choice must be a list of non-empty strings, got {self.choice!r}")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise TypeError(f"structured_outputs.json_object must be True or False, got {self.json_object!r}")
+
+
 @dataclass(kw_only=True)  # keywords only, as in vLLM (whose fields come in another order)
 class SamplingParams:
     """The subset of vLLM's `SamplingParams` that minfer implements, with the same meanings.
@@ -28,6 +63,8 @@ class SamplingParams:
     max_tokens: the most tokens to generate. logprobs: for each generated token, also return its
     log-probability and those of the `logprobs` most likely tokens (0: the sampled token only;
     None: nothing). prompt_logprobs: the same for every prompt token (see `minfer.logprobs`).
+    structured_outputs: a shape the output must take (JSON schema, regex, choice, grammar; see
+    `StructuredOutputsParams`).
     """
 
     n: int = 1
@@ -44,6 +81,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         def bad(what: str, value, allowed: str) -> ValueError:
@@ -88,6 +126,9 @@ class SamplingParams:
                 not isinstance(self.stop_token_ids, (list, tuple))
                 or any(not _has_type(t, int) or t < 0 for t in self.stop_token_ids)):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of token ids (integers >= 0)")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise TypeError("structured_outputs must be a StructuredOutputsParams (e.g. StructuredOutputsParams(json=schema)), "
+                            f"got {type(self.structured_outputs).__name__}")
 
     @property
     def stop_strings(self) -> list[str]:

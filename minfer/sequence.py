@@ -40,6 +40,7 @@ class Sequence:
     cumulative_logprob: Optional[float] = None
     prompt_logprobs: Optional[list] = None  # on completion 0 only: the n completions share one prompt
     detokenizer: Optional[IncrementalDetokenizer] = field(default=None, repr=False)  # made at the first token
+    grammar: Optional[object] = field(default=None, repr=False)  # structured outputs: its matcher (xgrammar)
     _generator: Optional[torch.Generator] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -100,7 +101,8 @@ class Sequence:
         self.metrics.num_output_tokens = len(self.output_ids)
         p = self.params
         eos = not p.ignore_eos and token in eos_ids
-        stopped = eos or token in (p.stop_token_ids or ())
+        shaped = self.grammar is not None and self._advance_grammar(token)  # the shape is complete: it ends here
+        stopped = eos or shaped or token in (p.stop_token_ids or ())
         # the token that stops a sequence stays in its token_ids but not in its text, as in vLLM
         if not stopped or p.include_stop_str_in_output:
             self.detokenizer.append(token)
@@ -116,6 +118,12 @@ class Sequence:
             self.finish_reason = "length"
         if self.finished:
             self.metrics.finished_time = now
+
+    def _advance_grammar(self, token: int) -> bool:
+        """Move the structured-output matcher past `token`; True once it has reached its end."""
+        if not self.grammar.accept_token(token):  # the mask allowed only tokens it accepts
+            raise RuntimeError(f"token {token} does not fit the requested structured output")
+        return self.grammar.is_terminated()
 
     def _truncate_at_stop_string(self, searched: int) -> bool:
         """End the text at the first stop string in it. The text before `searched` was searched at

@@ -34,6 +34,7 @@ from minfer.engine.block_manager import BlockManager
 from minfer.engine.kv_calibration import calibration_ids, kv_ranges
 from minfer.engine.model_runner import ModelRunner, StepOutput
 from minfer.engine.scheduler import Scheduler
+from minfer.engine.structured_output import StructuredOutputs
 from minfer.logprobs import logprobs_of
 from minfer.models.llama import LlamaModel
 from minfer.models.moe import last_expert_load, moe_blocks
@@ -123,6 +124,7 @@ class Engine:
                                                           config.max_model_len, config.dtype, config.device)
         self.num_speculative_tokens = config.num_speculative_tokens or 0
         self.spec_stats = SpecDecodeStats()
+        self.structured_outputs = StructuredOutputs(tokenizer, model.config.vocab_size, self.eos_token_ids)
         self._snapshots = 0
 
     # ---------------------------------------------------------------- requests
@@ -135,6 +137,12 @@ class Engine:
         if self.proposer is not None and (p.logprobs is not None or p.prompt_logprobs is not None):
             raise ValueError("logprobs and prompt_logprobs are not supported with speculative decoding: "
                              "make the LLM without speculative_model to get them")
+        if p.structured_outputs is not None:
+            if self.proposer is not None:
+                raise ValueError("structured_outputs is not supported with speculative decoding: make the LLM without "
+                                 "speculative_model to use it")
+            for seq, matcher in zip(request.seqs, self.structured_outputs.matchers(p.structured_outputs, len(request.seqs))):
+                seq.grammar = matcher
         if self.blocks.blocks_needed(longest) > self.blocks.num_blocks:
             raise ValueError(f"request {request.request_id} may need {longest} tokens of KV cache, more than the whole "
                              f"pool ({self.blocks.num_blocks} blocks of {self.blocks.block_size}): lower max_tokens or "
@@ -191,7 +199,7 @@ class Engine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("nothing could be scheduled although requests wait: the KV pool is too small")
             return []
-        output = self.runner.run(batch)
+        output = self.runner.run(batch, self.structured_outputs.mask)
         if self.moe_blocks:
             self.stats.record_expert_load(last_expert_load(self.moe_blocks, output.num_tokens, self.model.config.num_experts))
         failed = self._score_prompts(output)

@@ -22,7 +22,7 @@ sequences and tokens:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -207,8 +207,11 @@ class ModelRunner:
         """A sequence has left the engine: forget its block table's row."""
         self.block_tables.release(seq)
 
-    def run(self, batch: list[tuple[Sequence, int]]) -> StepOutput:
-        """Prepare, run the model, and sample every sequence that gets a plain next token."""
+    def run(self, batch: list[tuple[Sequence, int]], mask_logits: Optional[Callable] = None) -> StepOutput:
+        """Prepare, run the model, and sample every sequence that gets a plain next token.
+
+        mask_logits(logits, grammars): forbids, in place, the tokens that each row's grammar (its
+        sequence's structured-output matcher, or None) does not allow, before sampling."""
         step = self.prepare(batch)
         fast = self.decode_step
         logits = fast(step) if fast is not None and fast.serves(step) else None
@@ -218,8 +221,11 @@ class ModelRunner:
         plain = [i for i, (seq, _) in enumerate(step.sampled) if not seq.spec_token_ids]
         if plain:
             seqs = [step.sampled[i][0] for i in plain]
-            drawn = sample_next_tokens(logits[[step.sampled[i][1].start for i in plain]], [s.params for s in seqs],
-                                       [s.seed for s in seqs], [len(s.output_ids) for s in seqs])
+            rows = logits[[step.sampled[i][1].start for i in plain]]  # a copy: logprobs still see the raw logits
+            if mask_logits is not None and any(s.grammar is not None for s in seqs):
+                mask_logits(rows, [s.grammar for s in seqs])
+            drawn = sample_next_tokens(rows, [s.params for s in seqs], [s.seed for s in seqs],
+                                       [len(s.output_ids) for s in seqs])
             for i, token in zip(plain, drawn):
                 tokens[i] = token
         num_tokens = step.paged.num_tokens

@@ -10,13 +10,13 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from minfer.logprobs import MAX_LOGPROBS, Logprob
 from minfer.outputs import CompletionOutput, RequestOutput
-from minfer.sampling_params import SamplingParams
+from minfer.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class _Strict(BaseModel):
@@ -56,6 +56,30 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: plain text, some JSON object, or JSON valid against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's extra field `structured_outputs` (see `minfer.sampling_params.StructuredOutputsParams`)."""
+
+    json_: Optional[Union[str, dict[str, Any]]] = Field(default=None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+
 class _Sampling(_Strict):
     """The fields both endpoints share (OpenAI's, then vLLM's extras)."""
 
@@ -77,6 +101,25 @@ class _Sampling(_Strict):
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputs] = None
+
+    def shape(self) -> Optional[StructuredOutputsParams]:
+        """The structured output asked for, by response_format or by vLLM's structured_outputs (not both)."""
+        wanted = self.response_format if self.response_format is not None and self.response_format.type != "text" else None
+        if wanted is not None and self.structured_outputs is not None:
+            raise ValueError("give response_format or structured_outputs, not both")
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                           json_object=so.json_object)
+        if wanted is None:
+            return None
+        if wanted.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if wanted.json_schema is None or wanted.json_schema.schema_ is None:
+            raise ValueError("response_format of type json_schema needs json_schema.schema: the JSON schema to follow")
+        return StructuredOutputsParams(json=wanted.json_schema.schema_)
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
         """The engine's SamplingParams; a ValueError names any value the engine refuses."""
@@ -88,7 +131,8 @@ class _Sampling(_Strict):
                               min_p=self.min_p or 0.0, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                               ignore_eos=self.ignore_eos, max_tokens=max_tokens,
                               include_stop_str_in_output=self.include_stop_str_in_output,
-                              skip_special_tokens=self.skip_special_tokens, logprobs=logprobs)
+                              skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
+                              structured_outputs=self.shape())
 
     @property
     def include_usage(self) -> bool:
