@@ -10,5 +10,6 @@ Where a request goes, file by file:
     paged_kv.py           during the forward pass: storing K/V in the pool and attending over it
     cuda_graphs.py        the default on CUDA: decode steps replayed as CUDA graphs
     compiled_decode.py    enforce_eager=False elsewhere: the decode step through torch.compile
+    structured_output.py  before sampling: the tokens a requested shape (JSON schema, regex, ...) forbids, masked
     engine.py           postprocess: append tokens (or accept drafts), finish, free blocks, outputs
 """

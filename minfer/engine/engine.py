@@ -14,6 +14,7 @@ Where a request goes, file by file:
     scheduler.py       who runs this step and with how many tokens (budget, chunked prefill, preemption)
     block_manager.py   where their K/V live: blocks, reference counts, prefix hashes
     model_runner.py    the step's tensors, the forward pass, batched sampling
+    structured_output.py  a requested shape (JSON schema, regex, choice, grammar) as a mask before sampling
     paged_kv.py        the KV pool, and attention over it during the forward pass
 
 With speculative decoding (a proposer, see minfer/spec), each decoding sequence first gets up to
