@@ -234,7 +234,7 @@ class EngineConfig:
                              f"speculative_model='[ngram]', num_speculative_tokens=4) or neither, got {model!r} and {k!r}")
         if model is None:
             return
-        if not (isinstance(model, (str, os.PathLike, torch.nn.Module)) or hasattr(model, "propose")):
+        if not (isinstance(model, (str, os.PathLike, torch.nn.Module, NgramLookup)) or hasattr(model, "propose")):
             raise ValueError("speculative_model must be '[ngram]', a model name or path, a LlamaModel or a Proposer, "
                              f"got {type(model).__name__}")
         if not _is_positive_int(k) or k > MAX_SPECULATIVE_TOKENS:
@@ -289,6 +289,27 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
 SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 
 
+def check_prompt_lookup(prompt_lookup_max, prompt_lookup_min) -> None:
+    """The n-gram sizes of prompt lookup (`minfer.spec.ngram`): integers with 1 <= min <= max."""
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in (prompt_lookup_max, prompt_lookup_min)):
+        raise ValueError(f"prompt_lookup_max and prompt_lookup_min must be integers, got {prompt_lookup_max!r}, "
+                         f"{prompt_lookup_min!r}")
+    if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+        raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {prompt_lookup_min}, {prompt_lookup_max}")
+
+
+@dataclass(frozen=True)
+class NgramLookup:
+    """speculative_config's n-gram prompt lookup with its own sizes, as a speculative_model: the engine
+    makes the `minfer.spec.NgramProposer` from it (`minfer.spec.make_proposer`)."""
+
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        check_prompt_lookup(self.prompt_lookup_max, self.prompt_lookup_min)
+
+
 def speculative_args(spec: Any) -> dict[str, Any]:
     """vLLM's speculative_config dict as minfer's speculative_model and num_speculative_tokens:
     method "ngram" (prompt lookup, with its prompt_lookup_max/min) or a draft given as "model"."""
@@ -303,9 +324,7 @@ def speculative_args(spec: Any) -> dict[str, Any]:
     method, model = spec.get("method"), spec.get("model")
     lookup = {k: spec[k] for k in ("prompt_lookup_max", "prompt_lookup_min") if k in spec}
     if method == "ngram" and model is None:
-        from minfer.spec.ngram import NgramProposer  # the proposer itself: its n-gram sizes come with it
-
-        proposer = NgramProposer(**lookup) if lookup else "[ngram]"
+        proposer = NgramLookup(**lookup) if lookup else "[ngram]"
     elif method in (None, "draft_model") and model is not None and not lookup:
         proposer = model
     else:
@@ -361,6 +380,12 @@ def check_carve_args(num_experts: Optional[int], top_k: Optional[int], intermedi
                          f"(every expert gets the same number of neurons), got {num_experts}")
     if not _is_positive_int(top_k) or top_k > num_experts:
         raise ValueError(f"carve_top_k must be an integer in [1, carve_experts={num_experts}], got {top_k!r}")
+
+
+def allowed_group_sizes(config) -> list[int]:
+    """The int4 group sizes that divide the input size of every quantized matrix of this model."""
+    inputs = {config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size}
+    return [g for g in INT4_GROUP_SIZES if all(k % g == 0 for k in inputs)]
 
 
 def check_quantization_args(quantization: Optional[str], group_size: Optional[int]) -> None:

@@ -4,7 +4,7 @@ Two measures, both computed through the public API (`SamplingParams.prompt_logpr
 is measured is the engine itself, quantized weights, int8 KV cache and all.
 
 Perplexity. The text is a fixed slice of the Python documentation that ships inside every
-CPython (`pydoc_data.topics`; no download): the topics in EVAL_TOPICS, joined by blank lines,
+CPython (`pydoc_data.topics`; no download; `minfer.texts`): the topics in EVAL_TOPICS, joined by blank lines,
 cut to the first NUM_TOKENS tokens. The model reads it in windows of WINDOW tokens that start
 every STRIDE tokens; each window scores only the tokens the window before it did not reach, so
 every token but the first is scored exactly once, and after the first window each one sees at
@@ -30,9 +30,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from minfer.sampling_params import SamplingParams
+from minfer.texts import EVAL_TOPICS, NUM_TOKENS, eval_tokens
 
-EVAL_TOPICS = ("execmodel", "exceptions", "import", "try", "with", "function", "class")
-NUM_TOKENS = 4096
 WINDOW = 512
 STRIDE = 256
 
@@ -57,24 +56,6 @@ EVAL_PROMPTS = (
 
 
 # --------------------------------------------------------------------------- perplexity
-
-def eval_text(topics: Sequence[str] = EVAL_TOPICS) -> str:
-    """The evaluation text: the chosen pydoc topics, in order, separated by blank lines."""
-    from pydoc_data.topics import topics as pydoc_topics
-
-    missing = [t for t in topics if t not in pydoc_topics]
-    if missing:
-        raise ValueError(f"pydoc topics {missing} are not in this Python's pydoc_data.topics")
-    return "\n\n".join(pydoc_topics[t].strip() for t in topics)
-
-
-def eval_tokens(tokenizer, num_tokens: int = NUM_TOKENS, topics: Sequence[str] = EVAL_TOPICS) -> list[int]:
-    """The first num_tokens tokens of the evaluation text."""
-    ids = tokenizer.encode(eval_text(topics), add_special_tokens=False)
-    if not isinstance(num_tokens, int) or not 2 <= num_tokens <= len(ids):
-        raise ValueError(f"num_tokens must be an integer in [2, {len(ids)}] (the text's length), got {num_tokens!r}")
-    return ids[:num_tokens]
-
 
 def eval_set_info(tokenizer, num_tokens: int = NUM_TOKENS, window: int = WINDOW, stride: int = STRIDE) -> dict:
     """What a perplexity number was measured on, to store beside it (a hash tells texts apart)."""

@@ -25,11 +25,11 @@ from minfer.models.llama import LlamaModel
 from minfer.models.loader import DEFAULT_MODEL, load_model
 from minfer.moe.carve import carve_model
 from minfer.outputs import RequestMetrics, RequestOutput
-from minfer.quant.awq import calibration_token_ids
 from minfer.quant.checkpoint import build_quantized_model
 from minfer.quant.linear import CALIBRATED_METHODS, quantize_model
 from minfer.sampling_params import SamplingParams
 from minfer.sequence import Request, Sequence
+from minfer.texts import calibration_token_ids
 
 PromptType = Union[str, dict]  # a string, {"prompt": str} or {"prompt_token_ids": [...]} (vLLM's TextPrompt, TokensPrompt)
 CHAT_ROLES = ("system", "user", "assistant", "developer")  # "developer": OpenAI's newer name for "system"

@@ -4,8 +4,9 @@ import math
 import pytest
 import torch
 
-from minfer.evaluate import (EVAL_PROMPTS, context_windows, eval_set_info, eval_text, eval_tokens, greedy_agreement,
-                             greedy_reference, perplexity, token_nlls)
+from minfer.evaluate import (EVAL_PROMPTS, context_windows, eval_set_info, greedy_agreement, greedy_reference, perplexity,
+                             token_nlls)
+from minfer.texts import eval_text, eval_tokens
 
 SMALL = dict(num_tokens=160, window=64, stride=32)  # the same code path as the full set, in seconds
 

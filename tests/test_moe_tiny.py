@@ -30,7 +30,7 @@ def test_dense_and_top1_moe_have_the_same_active_compute():
 
 
 def test_training_lowers_the_loss_and_the_text_avoids_the_evaluation_set():
-    from minfer.evaluate import eval_text
+    from minfer.texts import eval_text
 
     data = byte_splits()
     assert eval_text()[:400].encode() not in bytes(data["train"].tolist())

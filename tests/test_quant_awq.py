@@ -5,12 +5,11 @@ from torch import nn
 
 from minfer import LLM, SamplingParams
 from minfer.config import ModelConfig
-from minfer.evaluate import EVAL_TOPICS
 from minfer.models.llama import LlamaModel
-from minfer.quant.awq import (CALIBRATION_TOPICS, apply_awq, calibration_token_ids, clip_groups, fake_quantize_int4,
-                              search_clip, search_scale)
+from minfer.quant.awq import apply_awq, clip_groups, fake_quantize_int4, search_clip, search_scale
 from minfer.quant.linear import Int4Linear, quantize_model
 from minfer.formats.weights import dequantize_int4, pack_int4, quantize_int4_groupwise
+from minfer.texts import CALIBRATION_TOPICS, EVAL_TOPICS, calibration_token_ids
 
 
 def tiny_model(seed: int = 0, skew: float = 1.0) -> LlamaModel:

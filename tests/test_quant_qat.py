@@ -7,13 +7,14 @@ import torch
 
 from minfer import LLM
 from minfer.config import ModelConfig
-from minfer.evaluate import EVAL_TOPICS, eval_text, eval_tokens, perplexity
+from minfer.evaluate import perplexity
 from minfer.models.llama import LlamaModel
 from minfer.quant.awq import fake_quantize_int4
 from minfer.quant.linear import Int4Linear, quantize_model
 from minfer.quant.qat import (FakeQuantLinear, finish_qat, logits_of, model_perplexity, prepare_qat,
                               quantization_errors, straight_through, train_qat, training_topics)
 from minfer.spec.distill import distillation_loss
+from minfer.texts import EVAL_TOPICS, eval_text, eval_tokens
 
 
 def tiny_model(seed: int = 0) -> LlamaModel:

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from minfer import LLM, SamplingParams
+from minfer.config import allowed_group_sizes
 from minfer.kernels.quant_matmul import int4_matmul_reference, int8_matmul_reference
 from minfer.models.loader import resolve_model_path
 from minfer.quant import linear_weight_bytes, model_weight_bytes, quantize_model
 from minfer.quant.gguf_q4_1 import q4_1_block, read_q4_1, requantize_agreement
-from minfer.quant.linear import Int4Linear, Int8Linear, allowed_group_sizes
+from minfer.quant.linear import Int4Linear, Int8Linear
 from minfer.quant.torch_ops import (INT8_DENSE_FROM_ROWS, dequantize_int4_cpu, int4_mm_cpu, int8_mm_cpu,
                                     pack_int4_for_cpu)
 from minfer.formats.weights import (dequantize_int4, dequantize_int8, pack_int4, quantize_int4_groupwise,

@@ -18,11 +18,11 @@ import torch
 
 from minfer.bench.spec import cost_ratio
 from minfer.models.llama import LlamaModel
-from minfer.quant.awq import calibration_token_ids
 from minfer.quant.linear import quantize_model
 from minfer.router import (SIGNALS, RoutingResult, cheapest_threshold, evaluate_routing, route, separation_auc,
                            threshold_sweep)
-from minfer.spec.distill import init_draft_from_target, load_draft
+from minfer.spec.pruned_draft import init_draft_from_target, load_draft
+from minfer.texts import calibration_token_ids
 
 
 CHEAP_MODELS = ("int4-awq", "int8", "first-24-layers", "distilled-draft")

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from minfer.layers.attention import AttentionFn
+from minfer.texts import calibration_token_ids
 
 KV_CALIBRATION_TOKENS = 512  # ~2 s for SmolLM2-135M on a loaded CPU core; its largest |k|, |v| grow by up
 # to ~40 % from 512 to 2048 tokens, which the scales' headroom (FP8_HEADROOM, 4x) covers
@@ -37,9 +38,7 @@ class KVRangeRecorder:
 
 
 def calibration_ids(tokenizer, max_len: int, num_tokens: int = KV_CALIBRATION_TOKENS) -> list[int]:
-    """The first min(num_tokens, max_len) tokens of the quantizers' calibration text."""
-    from minfer.quant.awq import calibration_token_ids  # the calibration text lives with the quantizers
-
+    """The first min(num_tokens, max_len) tokens of the quantizers' calibration text (`minfer.texts`)."""
     return calibration_token_ids(tokenizer, min(num_tokens, max_len))
 
 

@@ -52,14 +52,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from minfer.config import GROUPED_METHODS, EngineConfig, ModelConfig
+from minfer.config import GROUPED_METHODS, EngineConfig, ModelConfig, allowed_group_sizes
 from minfer.engine.model_runner import ModelRunner, PreparedStep, profile_forward
 from minfer.engine.paged_kv import KVPool, PagedStep
 from minfer.layers.attention import get_attention_fn
 from minfer.layers.linear import pack_linears
 from minfer.layers.parallel_linear import CommStats, shard_model_config, shard_weights, wrap_row_parallel
 from minfer.models.llama import LlamaModel
-from minfer.quant.linear import allowed_group_sizes, quantize_model, resolve_group_size
+from minfer.quant.linear import quantize_model, resolve_group_size
 from minfer.sequence import Sequence
 
 TIMEOUT = timedelta(minutes=5)  # a collective that waits this long means a rank died

@@ -114,7 +114,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # a mixture of experts where the config says so (minfer.models.moe), a dense SwiGLU elsewhere
-        self.mlp = SparseMoeBlock(config) if index in config.sparse_layers else MLP(config)
+        self.mlp = SparseMoeBlock(config, MLP) if index in config.sparse_layers else MLP(config)
 
 
 class LlamaModel(nn.Module):

@@ -23,6 +23,7 @@ import torch
 
 from minfer.config import ModelConfig
 from minfer.formats.gguf_file import dequantize, read_gguf_file
+from minfer.models.quantization_config import check_quantization_config, is_quantized_tensor
 
 # Short names for models that ship inside an installed package (no network at run time). The Hugging Face id
 # names the same model, so that `LLM("HuggingFaceTB/SmolLM2-135M-Instruct")` runs unchanged on vLLM, which
@@ -51,7 +52,7 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     tokenizer: object  # a transformers tokenizer
     path: str
-    # a quantized checkpoint's `quantization_config` (minfer.quant.checkpoint); its quantized tensors are
+    # a quantized checkpoint's `quantization_config` (minfer.models.quantization_config); its quantized tensors are
     # then in `weights` as stored, the float ones in the dtype asked for
     quantization: Optional[dict] = None
     # generation_config.json's end-of-sequence tokens (Llama-3 and Qwen2.5 instruct models list more than
@@ -332,8 +333,6 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32,
     files = sorted(Path(path).glob("*.safetensors"))
     if not config_file.is_file() or not files:
         raise ValueError(f"{path!r} must hold config.json and *.safetensors files")
-    from minfer.quant.checkpoint import check_quantization_config, is_quantized_tensor
-
     try:
         hf = json.loads(config_file.read_text())
         config = hf_config_to_model_config(hf)

@@ -16,7 +16,7 @@ per expert (`experts.3.gate_proj.weight`, Mixtral's `experts.3.w1.weight`), whic
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -44,18 +44,19 @@ class Experts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Router + experts (+ Qwen2-MoE's gated shared expert), in place of a decoder layer's MLP."""
+    """Router + experts (+ Qwen2-MoE's gated shared expert), in place of a decoder layer's MLP.
 
-    def __init__(self, config: ModelConfig) -> None:
+    dense_mlp(config, intermediate_size) makes the shared expert, a plain SwiGLU MLP: the decoder
+    passes its own (`minfer.models.llama.MLP`)."""
+
+    def __init__(self, config: ModelConfig, dense_mlp: Callable[[ModelConfig, int], nn.Module]) -> None:
         super().__init__()
-        from minfer.models.llama import MLP  # the shared expert is a plain SwiGLU MLP
-
         self.top_k, self.normalize = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)  # the router
         self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         self.shared_expert: Optional[nn.Module] = None
         if config.shared_expert_intermediate_size:
-            self.shared_expert = MLP(config, config.shared_expert_intermediate_size)
+            self.shared_expert = dense_mlp(config, config.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         self.impl = "auto"  # see minfer.layers.moe.moe_mlp
         self.last_expert_ids: Optional[torch.Tensor] = None  # [T, k] of the last forward, for the engine's stats

@@ -21,7 +21,7 @@ predictions run. Nothing is trained by gradient descent, and the model never lea
 sparse: quality falls as k / E falls (docs/benchmarks.md measures how fast). Trained MoEs
 learn routing and experts together (`minfer.moe.tiny`).
 
-Calibration text: `minfer.quant.awq.calibration_token_ids`, pydoc topics outside the evaluation set.
+Calibration text: `minfer.texts.calibration_token_ids`, pydoc topics outside the evaluation set.
 """
 from __future__ import annotations
 

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minfer.evaluate import EVAL_TOPICS
 from minfer.layers.moe import moe_mlp, route_topk
+from minfer.texts import EVAL_TOPICS
 
 VALIDATION_TOPICS = ("calls", "comparisons", "numeric-types")
 # "compound" repeats the evaluation topics try, with, function and class: left out too

@@ -52,8 +52,8 @@ int4 g64; on the channel-scrambled copy (`minfer.bench.quant`) +38.8 % -> +8.8 %
 gate_up_proj by their block's output (attention, MLP) as AWQ does, AWQ's "duo" scales
 (mean|x|^alpha / mean|w|^(1 - alpha)), a finer alpha grid, all calibration tokens for the error.
 
-Calibration text: pydoc topics disjoint from the evaluation set's (`minfer.evaluate`), so the
-scales are never fitted to the text they are judged on.
+Calibration text: `minfer.texts.calibration_token_ids`, pydoc topics disjoint from the evaluation
+set's, so the scales are never fitted to the text they are judged on.
 """
 from __future__ import annotations
 
@@ -62,11 +62,9 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from minfer.evaluate import eval_text
 from minfer.formats.weights import quantize_int4_groupwise
+from minfer.texts import calibration_token_ids  # noqa: F401  (the chapters 06, 06b and 10 notebooks import it from here)
 
-CALIBRATION_TOPICS = ("specialnames", "typesseq", "formatstrings", "compound", "string-methods", "typesmapping")
-CALIBRATION_TOKENS = 2048
 CALIBRATION_WINDOW = 512
 ERROR_TOKENS = 512  # the output error is measured on this many of the calibration tokens (speed)
 ALPHAS = tuple(i / 10 for i in range(10))  # 0 is plain rounding: the search never does worse on calibration data
@@ -79,14 +77,6 @@ LAYER_LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "ga
 # alone raised perplexity (+0.6% -> +2.3%), yet clipping all four matrices or only the MLP's came
 # out within 0.3% of each other. We keep AWQ's choice, all four.
 CLIP_LINEARS = LINEARS
-
-
-def calibration_token_ids(tokenizer, num_tokens: int = CALIBRATION_TOKENS) -> list[int]:
-    """The first num_tokens tokens of the calibration text (pydoc topics not in the evaluation set)."""
-    ids = tokenizer.encode(eval_text(CALIBRATION_TOPICS), add_special_tokens=False)
-    if not isinstance(num_tokens, int) or not 1 <= num_tokens <= len(ids):
-        raise ValueError(f"num_tokens must be an integer in [1, {len(ids)}], got {num_tokens!r}")
-    return ids[:num_tokens]
 
 
 def fake_quantize_int4(w: torch.Tensor, group_size: int) -> torch.Tensor:

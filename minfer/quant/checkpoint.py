@@ -22,7 +22,8 @@ stay fused: ``qkv_proj`` is q, k and v stacked by rows, ``gate_up_proj`` gate an
     "quantization_config": {"quant_method": "minfer", "format_version": 1, "method": "gptq",
                             "bits": 4, "group_size": 64, "sym": false, "desc_act": false, "head": "int8"}
 
-(int8: ``"bits": 8, "group_size": null, "sym": true``; ``"head": null`` when lm_head stayed float).
+(int8: ``"bits": 8, "group_size": null, "sym": true``; ``"head": null`` when lm_head stayed float),
+checked on load by ``minfer.models.quantization_config``.
 
 Why not GPTQ's layout (``qweight``/``qzeros``/``scales``/``g_idx``, read by transformers and vLLM)
 --------------------------------------------------------------------------------------------------
@@ -52,54 +53,10 @@ from torch import nn
 from minfer.config import DTYPES, INT4_METHODS
 from minfer.models.llama import LlamaModel
 from minfer.models.loader import LoadedModel, load_model, save_hf_checkpoint
-from minfer.quant.awq import LAYER_LINEARS, calibration_token_ids
-from minfer.quant.linear import (CALIBRATED_METHODS, Int4Linear, Int8Linear, allowed_group_sizes, quantize_model,
-                                 resolve_backend)
-
-QUANT_METHOD = "minfer"  # the quant_method of our layout (GPTQ's is "gptq")
-FORMAT_VERSION = 1
-QUANTIZED_TENSORS = ("qweight", "scale", "minimum")  # the suffixes of tensors loaded exactly as stored
-SAVED_METHODS = ("int8",) + INT4_METHODS  # nf4 (minfer.quant.nf4) has no saved layout yet
-CONFIG_KEYS = ("quant_method", "format_version", "method", "bits", "group_size", "sym", "desc_act", "head")
-
-
-def is_quantized_tensor(name: str) -> bool:
-    """Whether a checkpoint tensor is a quantized matrix's codes, scale or minimum (kept as stored)."""
-    return name.rsplit(".", 1)[-1] in QUANTIZED_TENSORS
-
-
-def quantization_config(method: str, group_size: Optional[int], head: Optional[str], desc_act: bool = False) -> dict:
-    """The `quantization_config` entry of config.json for a model quantized this way."""
-    int4 = method in INT4_METHODS
-    return {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION, "method": method,
-            "bits": 4 if int4 else 8, "group_size": group_size if int4 else None, "sym": not int4,
-            "desc_act": desc_act, "head": head}
-
-
-def check_quantization_config(entry, model_config, where: str) -> None:
-    """Raise a ValueError saying what is allowed if config.json's quantization_config is not ours or malformed."""
-    if not isinstance(entry, dict):
-        raise ValueError(f"{where}: quantization_config must be an object, got {type(entry).__name__}")
-    if entry.get("quant_method") != QUANT_METHOD:
-        raise ValueError(f"{where}: quantization_config has quant_method {entry.get('quant_method')!r}; minfer loads "
-                         f"only its own quantized layout (quant_method {QUANT_METHOD!r}, written by "
-                         "`python -m minfer quantize`), not GPTQ/AWQ checkpoints of other tools")
-    if sorted(entry) != sorted(CONFIG_KEYS):
-        raise ValueError(f"{where}: quantization_config must have exactly the keys {list(CONFIG_KEYS)}, "
-                         f"got {sorted(entry)}")
-    if entry["format_version"] != FORMAT_VERSION:
-        raise ValueError(f"{where}: format_version must be {FORMAT_VERSION}, got {entry['format_version']!r}")
-    method = entry["method"]
-    if method not in SAVED_METHODS:
-        raise ValueError(f"{where}: method must be one of {SAVED_METHODS}, got {method!r}")
-    if method in INT4_METHODS and entry["group_size"] not in allowed_group_sizes(model_config):
-        raise ValueError(f"{where}: group_size must be one of {allowed_group_sizes(model_config)} for this model, "
-                         f"got {entry['group_size']!r}")
-    expected = quantization_config(method, entry["group_size"], entry["head"], entry["desc_act"])
-    if entry["head"] not in ("int8", None) or not isinstance(entry["desc_act"], bool) or entry != expected:
-        raise ValueError(f"{where}: a {method!r} quantization_config must read {expected} (head 'int8' or null, "
-                         f"desc_act true or false), got {entry}")
-
+from minfer.models.quantization_config import QUANT_METHOD, SAVED_METHODS, is_quantized_tensor, quantization_config
+from minfer.quant.awq import LAYER_LINEARS
+from minfer.quant.linear import CALIBRATED_METHODS, Int4Linear, Int8Linear, quantize_model, resolve_backend
+from minfer.texts import calibration_token_ids
 
 def save_quantized(llm_or_model: Union[object, nn.Module], out_dir: str, tokenizer=None,
                    eos_token_ids: tuple[int, ...] = ()) -> str:

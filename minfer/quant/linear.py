@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from minfer.kernels.quant_matmul import int4_matmul, int4_matmul_reference, int8_matmul, int8_matmul_reference
-from minfer.config import QUANTIZATION_METHODS, check_quantization_args
+from minfer.config import QUANTIZATION_METHODS, allowed_group_sizes, check_quantization_args
 from minfer.quant.awq import CLIP_LINEARS, LAYER_LINEARS, apply_awq
 from minfer.quant.gptq import apply_gptq
 from minfer.quant.nf4 import Nf4Linear
@@ -166,12 +166,6 @@ class Int4Linear(nn.Module):
                 f"backend={self.backend}")
 
 
-def allowed_group_sizes(config) -> list[int]:
-    """The int4 group sizes that divide the input size of every quantized matrix of this model."""
-    inputs = {config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size}
-    return [g for g in INT4_GROUP_SIZES if all(k % g == 0 for k in inputs)]
-
-
 def resolve_group_size(config, group_size: Optional[int]) -> int:
     """None -> the largest allowed size (128 where it fits; 64 for SmolLM2's hidden size 576)."""
     allowed = allowed_group_sizes(config)
@@ -196,7 +190,7 @@ def quantize_model(model: nn.Module, method: str, group_size: Optional[int] = No
     (int4 after folding activation-aware scales into the float model, `minfer.quant.awq`) or "gptq" (int4 codes chosen
     by GPTQ, `minfer.quant.gptq`; with gptq_after_awq, on the matrices after AWQ's scales; with
     gptq_desc_act, in activation order on static groups). "awq"
-    and "gptq" need calibration_token_ids, e.g. `minfer.quant.awq.calibration_token_ids(tokenizer)`.
+    and "gptq" need calibration_token_ids, e.g. `minfer.texts.calibration_token_ids(tokenizer)`.
     head: "int8" quantizes lm_head too, None keeps it.
     """
     if method is None:

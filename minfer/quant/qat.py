@@ -38,10 +38,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minfer.evaluate import EVAL_TOPICS, context_windows, eval_text
+from minfer.evaluate import context_windows
 from minfer.layers.linear import bf16_autocast, linear_like
 from minfer.quant.awq import LAYER_LINEARS, fake_quantize_int4
 from minfer.spec.distill import distillation_loss, final_hidden, run_training
+from minfer.texts import EVAL_TOPICS, eval_text
 
 QAT_GROUP_SIZE = 64
 LINEAR_NAMES = tuple(name for _, name in LAYER_LINEARS)

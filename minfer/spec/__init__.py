@@ -10,7 +10,9 @@ of a single target pass.
     draft_model.py a small model with the same vocabulary, with a per-sequence KV cache
     rejection.py   the acceptance rule (lossless) and greedy verification
     stats.py       acceptance rate, mean acceptance length, acceptance per position
-    distill.py     the shipped draft: its model, distillation loss and training loop (chapter 08)
+    pruned_draft.py the shipped draft's shape (target layers, pruned; a top-K head), saved and loaded by name
+    distill.py     how that draft was trained: distillation loss, teacher top-k, training loop (chapter 08;
+                   course code, never imported by the engine)
 
     LLM("smollm2-135m", speculative_model="[ngram]", num_speculative_tokens=4)
 """
@@ -22,10 +24,13 @@ from typing import Optional
 
 import torch
 
+from minfer.config import NgramLookup
 from minfer.models.llama import LlamaModel
+from minfer.models.loader import KNOWN_MODELS, load_model
 from minfer.spec.draft_model import DraftModelProposer
 from minfer.spec.ngram import NgramProposer, ngram_lookup
 from minfer.spec.proposer import Proposal, Proposer
+from minfer.spec.pruned_draft import load_draft
 from minfer.spec.rejection import greedy_verify, processed_probs, rejection_sample, verify
 from minfer.spec.stats import SpecDecodeStats
 
@@ -36,9 +41,12 @@ __all__ = ["Proposer", "Proposal", "NgramProposer", "DraftModelProposer", "SpecD
 def make_proposer(speculative_model, target: LlamaModel, tokenizer, max_model_len: int, dtype: torch.dtype,
                   device: torch.device) -> Optional[Proposer]:
     """A Proposer -> itself; '[ngram]' -> NgramProposer; a LlamaModel, a model name/path, or a shipped draft name
-    (minfer.spec.distill, e.g. 'smollm2-135m-draft') -> DraftModelProposer; None -> None."""
+    (minfer.spec.pruned_draft, e.g. 'smollm2-135m-draft') -> DraftModelProposer; an NgramLookup (speculative_config's
+    n-gram sizes, `minfer.config`) -> NgramProposer with those sizes; None -> None."""
     if speculative_model is None or isinstance(speculative_model, Proposer):
         return speculative_model
+    if isinstance(speculative_model, NgramLookup):
+        return NgramProposer(speculative_model.prompt_lookup_max, speculative_model.prompt_lookup_min)
     if speculative_model == "[ngram]":
         return NgramProposer()
     if isinstance(speculative_model, LlamaModel):
@@ -50,24 +58,17 @@ def make_proposer(speculative_model, target: LlamaModel, tokenizer, max_model_le
 
 
 def _load_draft(name: str, target: LlamaModel, tokenizer, dtype: torch.dtype, device: torch.device) -> LlamaModel:
-    from minfer.models.loader import KNOWN_MODELS, load_model
-
     if name in KNOWN_MODELS or (os.path.exists(name) and not _is_draft_folder(name)):
         loaded = load_model(name, dtype)
         if loaded.tokenizer is not None and loaded.tokenizer.get_vocab() != tokenizer.get_vocab():
             raise ValueError(f"speculative_model {name!r} has a different tokenizer from the target's: "
                              "the draft must share the target's vocabulary")
         return LlamaModel.from_weights(loaded.config, loaded.weights, dtype, device)
-    try:
-        from minfer.spec.distill import load_draft  # the shipped distilled drafts (chapter 08)
-    except ImportError as exc:
-        raise ValueError(f"speculative_model {name!r} is not '[ngram]', a known model, a path, or a shipped draft "
-                         "(minfer.spec.distill is not available)") from exc
-    return load_draft(name, target, dtype, device)
+    return load_draft(name, target, dtype, device)  # a shipped distilled draft (chapter 08), or a folder of one
 
 
 def _is_draft_folder(path: str) -> bool:
-    """A folder written by minfer.spec.distill.save_draft (its config.json lists the head's token ids)."""
+    """A folder written by minfer.spec.pruned_draft.save_draft (its config.json lists the head's token ids)."""
     config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
         return False

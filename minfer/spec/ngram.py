@@ -11,6 +11,7 @@ vLLM calls this `speculative_model="[ngram]"` with prompt_lookup_max / prompt_lo
 """
 from __future__ import annotations
 
+from minfer.config import check_prompt_lookup
 from minfer.sequence import Sequence
 from minfer.spec.proposer import Proposal, Proposer
 
@@ -31,11 +32,7 @@ def ngram_lookup(token_ids: list[int], num_tokens: int, max_n: int = 4, min_n: i
 
 class NgramProposer(Proposer):
     def __init__(self, prompt_lookup_max: int = 4, prompt_lookup_min: int = 1) -> None:
-        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (prompt_lookup_max, prompt_lookup_min)):
-            raise ValueError(f"prompt_lookup_max and prompt_lookup_min must be integers, got {prompt_lookup_max!r}, "
-                             f"{prompt_lookup_min!r}")
-        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
-            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {prompt_lookup_min}, {prompt_lookup_max}")
+        check_prompt_lookup(prompt_lookup_max, prompt_lookup_min)
         self.max_n, self.min_n = prompt_lookup_max, prompt_lookup_min
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
