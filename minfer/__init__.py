@@ -1,4 +1,39 @@
-"""minfer: a compact LLM inference engine, built chapter by chapter in the course."""
+"""minfer: a compact LLM inference engine, built chapter by chapter in the course.
+
+Imports run one way, bottom to top: a module imports its own layer and the layers below it,
+never one above, and nothing imports in a circle (tests/test_import_layers.py holds the table).
+
+    formats/           number formats: int8, int4, NF4, fp8 KV entries, a GGUF file's tables
+    kernels/           Triton kernels beside the PyTorch they must equal (they import only formats/)
+    config.py          the shape of a model (ModelConfig) and every engine argument (EngineConfig), checked
+    texts.py           the fixed evaluation and calibration texts (slices of pydoc_data)
+    sampling_params.py SamplingParams: how to pick each next token and when to stop
+    logprobs.py        log-probabilities as vLLM returns them
+    outputs.py         what generate() returns: RequestOutput, CompletionOutput, timing metrics
+    detokenizer.py     the text of a growing sequence of tokens, a few tokens per step
+    sequence.py        one completion being generated: prompt, settings, tokens so far, when to stop
+    layers/            the pieces the model is built from and the engine calls
+    kv_cache.py        a contiguous KV cache (chapter 02), one of the caches attention writes to
+    models/            the decoder and its loading
+    quant/             quantization applied to a loaded model; moe/carve.py, experts carved from it
+    engine/            the serving engine, one scheduled step at a time; spec/, speculative decoding
+    generate.py        the simple loop of chapters 00-02: static batches over a contiguous KV cache
+    llm.py             LLM, the entry point
+    serving/           the OpenAI-compatible HTTP server around an LLM
+    __init__.py        the public names: LLM, SamplingParams, RequestOutput, ...
+
+Course code sits on top and may use all of it; the library never imports it:
+
+    bench/             benchmark harnesses (`python -m minfer bench`, benchmarks/, the notebooks)
+    __main__.py        the `minfer` command line
+    evaluate.py        perplexity and greedy agreement through the public API
+    course.py          load the learner's code (or the worked solutions) and check it
+    testing.py         small models with random weights, for tests and benchmarks
+    router.py          a router: easy requests to a cheap model, hard ones to the full model (chapter 08)
+    router_tasks.py    the router's labelled, checkable tasks, made in code
+    glass.py           a notebook's window on a running engine: its KV pool, queues and last step
+    moe/tiny.py, quant/qat.py, spec/distill.py   the course's training code (chapters 10, 06b, 08)
+"""
 from minfer.llm import LLM
 from minfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minfer.sampling_params import SamplingParams

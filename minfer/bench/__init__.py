@@ -20,6 +20,18 @@ and the notebooks (a notebook's measurement and the published one share the same
     router.py    a router measured: the cheap candidates, each studied against the full model on the
                  graded tasks (c, AUC per signal, cost against accuracy, the operating point) (chapter 08,
                  bench_router.py)
+    moe.py       mixture of experts: the distinct experts a batch touches, routing simulated, the carved and
+                 tiny trained MoEs measured (chapter 10, bench_moe.py)
+    host.py      the host's work per decode step and how it grows with the batch (chapter 12,
+                 `python -m minfer bench host`)
+    serve.py     `python -m minfer bench serve`: load-test OpenAI-compatible servers over HTTP (chapter 09)
+    loadgen.py     its client side: when requests arrive, what they ask for, how each is timed
+    latency.py     the latency statistics of a run and of a sweep over request rates (vLLM's field names)
+    launch.py      the servers a benchmark starts itself: a free port, waiting until it answers, a graceful stop
+    serve_report.py  its report: a markdown table per run, the sustainable rates, the plot, JSON
+    soak.py      the soak: thousands of mixed requests through the engine, memory sampled as they go
+    hostile.py     the hostile soak: ordinary clients beside hostile ones, through the HTTP server
+    notebook_cells.py  which cells of a notebook a given cell needs (the names each defines and reads)
 
 The rule: the library never imports minfer.bench. Harnesses use the library, never the reverse;
 only the command line (`minfer/__main__.py`) reaches in, for `python -m minfer bench`. No harness

@@ -1,4 +1,5 @@
-"""Servers the benchmarks start themselves: a free port, the command, waiting until it answers, a graceful stop.
+"""Servers the benchmarks start themselves: a free port, the command, waiting until it answers, a graceful stop,
+and what a server says about itself on /metrics (`server_metrics`).
 
 `python -m minfer bench serve --launch` and the soak test start servers one after another on free
 local ports (minfer with continuous batching, minfer with `--max-num-seqs 1`, llama.cpp's server where
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shlex
 import signal
 import socket
@@ -106,3 +108,9 @@ def served_models(base_url: str) -> list[str]:
     except httpx.HTTPError as exc:
         raise ValueError(f"no OpenAI-compatible server answers GET {base_url}/v1/models ({exc}): start one "
                          "(python -m minfer serve), or pass --launch to start the servers here") from None
+
+
+def server_metrics(base_url: str) -> dict[str, float]:
+    """The server's gauges and counters from GET /metrics, by name without the `minfer:` prefix."""
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^minfer:(\w+)\{[^}]*\} (\S+)$", text, re.M)}

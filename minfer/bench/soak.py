@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Union
 
+from minfer.bench.hostile import format_hostile, hostile_soak
+from minfer.bench.launch import server_metrics  # tests/test_server.py reads it from here too
 from minfer.llm import LLM
 from minfer.sampling_params import SamplingParams
 
@@ -236,16 +238,6 @@ def bucket_ab(model: str, dtype: str, num_requests: int, rounds: int = 2, seed: 
 
 
 # ---------------------------------------------------------------- through the HTTP server
-def server_metrics(base_url: str) -> dict[str, float]:
-    """The server's gauges and counters from GET /metrics, by name without the `minfer:` prefix."""
-    import re
-
-    import httpx
-
-    text = httpx.get(base_url + "/metrics", timeout=10).text
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^minfer:(\w+)\{[^}]*\} (\S+)$", text, re.M)}
-
-
 def _send_over_http(client, request: SoakRequest, model: str, rng: random.Random) -> str:
     """Send one soak request with the openai client; returns what became of it."""
     import openai
@@ -361,8 +353,6 @@ def run_soak(args: argparse.Namespace) -> int:
         result = compare_variants(args)
         print(format_table(result))
     elif args.server and args.hostile:
-        from minfer.bench.hostile import format_hostile, hostile_soak
-
         result = hostile_soak(args.model, args.seconds, args.dtype, args.seed)
         print(format_hostile(result))
     elif args.server:

@@ -12,4 +12,12 @@ Where a request goes, file by file:
     compiled_decode.py    enforce_eager=False elsewhere: the decode step through torch.compile
     structured_output.py  before sampling: the tokens a requested shape (JSON schema, regex, ...) forbids, masked
     engine.py           postprocess: append tokens (or accept drafts), finish, free blocks, outputs
+
+Beside the step:
+
+    buckets.py          the token counts a step is padded up to, so the matmuls meet a bounded set of shapes
+    kv_calibration.py   an fp8 KV pool's static scales: one pass over the calibration text, |k| and |v| recorded
+    parallel.py         tensor parallelism: rank 0 runs the engine, workers run their shard of every layer
+
+Speculative decoding, which the engine runs when asked, is its own package: `minfer/spec/`.
 """

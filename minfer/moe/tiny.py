@@ -16,7 +16,7 @@ and an expert takes at most capacity = capacity_factor * tokens * k / E tokens p
 ones beyond it are dropped (that expert adds nothing for them; the residual stream carries them on).
 
 Text: the bytes of Python's own documentation (`pydoc_data.topics`) outside the evaluation
-topics (`minfer.evaluate`) and the one that repeats them; a few topics are held out to measure the loss on.
+topics (`minfer.texts`) and the one that repeats them; a few topics are held out to measure the loss on.
 """
 from __future__ import annotations
 
