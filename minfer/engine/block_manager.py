@@ -27,6 +27,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: Optional[int] = None  # set once the block is full and its tokens are known
+    parent_hash: Optional[int] = None  # the hash of the block before it in its sequence (None: the first)
     token_ids: tuple[int, ...] = field(default=())
 
 
@@ -68,7 +69,7 @@ class BlockManager:
         block = self.blocks[self.free_ids.popitem(last=False)[0]]
         if block.hash is not None and self.cached.get(block.hash) == block.block_id:
             del self.cached[block.hash]  # its old content is about to be overwritten
-        block.hash, block.token_ids, block.ref_count = None, (), 1
+        block.hash, block.parent_hash, block.token_ids, block.ref_count = None, None, (), 1
         return block
 
     def _share(self, block: Block) -> None:
@@ -136,7 +137,7 @@ class BlockManager:
         for i in range(first, num_computed // self.block_size):
             block = self.blocks[table[i]]
             tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-            block.hash, block.token_ids = block_hash(tokens, parent), tokens
+            block.hash, block.parent_hash, block.token_ids = block_hash(tokens, parent), parent, tokens
             self.cached.setdefault(block.hash, block.block_id)
             parent = block.hash
 

@@ -125,6 +125,8 @@ class Engine:
                                                           config.max_model_len, config.dtype, config.device)
         self.num_speculative_tokens = config.num_speculative_tokens or 0
         self.spec_stats = SpecDecodeStats()
+        self.last_batch: list[tuple[Sequence, int]] = []  # the last step's (sequence, tokens): what views show
+        self.last_padding = 0  # rows the last step added to reach its bucket
         self.structured_outputs = StructuredOutputs(tokenizer, model.config.vocab_size, self.eos_token_ids)
         self._snapshots = 0
 
@@ -200,6 +202,7 @@ class Engine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("nothing could be scheduled although requests wait: the KV pool is too small")
             return []
+        self.last_batch = batch
         output = self.runner.run(batch, self.structured_outputs.mask)
         if self.moe_blocks:
             self.stats.record_expert_load(last_expert_load(self.moe_blocks, output.num_tokens, self.model.config.num_experts))
@@ -208,6 +211,7 @@ class Engine:
         for request, exc in failed:
             self._fail(request, exc)
         self.stats.padding_tokens += output.num_padding
+        self.last_padding = output.num_padding
         return self._postprocess(output, {request.request_id: request for request, _ in failed})
 
     def _score_prompts(self, output: StepOutput) -> list[tuple[Request, Exception]]:

@@ -14,7 +14,8 @@ checks the page itself:
   JupyterLab renders the saved widget state, as it does for the author);
 - every widget view renders: controls present (sliders where the cell builds sliders), no
   "Error displaying widget" or "Loading widget..." anywhere in the notebook; in a live kernel,
-  moving a slider one step makes the kernel redraw the widget's output;
+  moving a slider one step makes the kernel redraw the widget's output, and pressing a glass engine's
+  "step" button (minfer.glass) moves its view on;
 - every plot shows: each cell with a saved image, and each widget cell that plots, displays a
   decoded <img>; no cell that ran shows a traceback.
 
@@ -87,6 +88,8 @@ class NotebookPlan:
     needed_cells: list[int] = field(default_factory=list)  # the widget cells and the cells they need, in order
     needed_seconds: float | None = None  # how long those took when the notebook was last executed
     run_cells: list[int] = field(default_factory=list)  # needed_cells within the budget, else none
+    glass_cells: list[int] = field(default_factory=list)  # cells that show a GlassEngine (minfer.glass)
+    live_cells: list[int] = field(default_factory=list)  # the widget cells that run_cells bring to life
 
     def describe(self) -> str:
         if not self.widget_cells:
@@ -115,7 +118,8 @@ def plan_notebook(path: Path, live_budget_s: float) -> NotebookPlan:
     sources = {i: python_source(cells[i]) for i in code}
     trees = {i: ast.parse(sources[i]) for i in code}
     widget_names = set().union(*(ipywidgets_names(t) for t in trees.values()))
-    plan.widget_cells = [i for i in code if calls(trees[i], WIDGET_CALLS | widget_names)]
+    plan.glass_cells = [i for i in code if calls(trees[i], {"GlassEngine"})]
+    plan.widget_cells = sorted({i for i in code if calls(trees[i], WIDGET_CALLS | widget_names)} | set(plan.glass_cells))
     plan.slider_cells = [i for i in plan.widget_cells if "Slider" in sources[i]]
     plan.image_cells = [i for i in code
                         if any("image/png" in out.get("data", {}) for out in cells[i].get("outputs", []))]
@@ -128,7 +132,12 @@ def plan_notebook(path: Path, live_budget_s: float) -> NotebookPlan:
     seconds = [recorded_seconds(cells[i]) for i in plan.needed_cells]
     plan.needed_seconds = None if None in seconds else sum(seconds)
     if plan.needed_seconds is not None and plan.needed_seconds <= live_budget_s:
-        plan.run_cells = plan.needed_cells
+        plan.run_cells, plan.live_cells = plan.needed_cells, plan.widget_cells
+    elif plan.glass_cells:  # the glass engine alone may still be quick to bring to life: its button is the check
+        needed = needed_cells(cells, plan.glass_cells)
+        seconds = [recorded_seconds(cells[i]) for i in needed]
+        if None not in seconds and sum(seconds) <= live_budget_s:
+            plan.run_cells, plan.live_cells, plan.needed_seconds = needed, plan.glass_cells, sum(seconds)
     return plan
 
 
@@ -350,6 +359,8 @@ class Notebook:
             self.fail(index, "the widget view has no controls")
         if live and index in self.plan.slider_cells:
             self.move_a_slider(index)
+        if live and index in self.plan.glass_cells:
+            self.press_step(index)
 
     def check_other_outputs(self) -> None:
         """Saved widget views elsewhere (progress bars, say) render too, and every progress bar shown is finished."""
@@ -380,6 +391,19 @@ class Notebook:
             time.sleep(0.2)
         self.fail(index, f"moving the slider from {before_value} did not redraw the output "
                          f"(readout now {readout.inner_text()!r}, output {output.inner_text()[:200]!r})")
+
+    def press_step(self, index: int) -> None:
+        """Click the glass engine's "step" button: the kernel steps the engine and the step view moves on."""
+        cell = self.cell(index)
+        view = cell.locator(".widget-html").filter(has_text=re.compile(r"Step \d+")).first
+        before = view.inner_text()
+        cell.locator(".widget-button").filter(has_text=re.compile(r"^step$")).first.click()
+        deadline = time.monotonic() + WIDGET_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if view.inner_text() != before:
+                return
+            time.sleep(0.2)
+        self.fail(index, f"pressing 'step' did not move the glass engine on (still {before[:120]!r})")
 
     def check_images(self, index: int) -> None:
         images = self.cell(index).locator(".jp-OutputArea-output img")
@@ -422,7 +446,7 @@ def check_notebook(context, lab: JupyterLab, plan: NotebookPlan, screenshots: Pa
         for count, index in enumerate(plan.run_cells, start=1):
             notebook.run(index, count)
         for index in plan.widget_cells:
-            notebook.check_widgets(index, live=bool(plan.run_cells))
+            notebook.check_widgets(index, live=index in plan.live_cells)
         for index in plan.image_cells:
             notebook.check_images(index)
         notebook.check_other_outputs()
