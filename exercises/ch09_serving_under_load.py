@@ -89,11 +89,10 @@ def stream_completion_chunks(queue: asyncio.Queue, request_id: str, model: str,
 def cost_per_million_tokens(price_per_hour: float, tokens_per_second: float, utilization: float = 1.0) -> float:
     """What a million output tokens cost on a machine rented by the hour.
 
-    price_per_hour: the machine's price (any currency) per hour, paid whether it works or not;
+    price_per_hour: the machine's price per hour, in any currency, paid whether it works or not;
     tokens_per_second: the output tokens per second it sustains while busy; utilization: the
-    fraction of the paid hours it is busy, in (0, 1]. The machine makes
-    tokens_per_second * utilization * 3600 tokens per paid hour, so a million cost
-    price_per_hour / that * 1e6.
+    fraction of the paid hours it is busy, in (0, 1].
+    Returns the price of one million output tokens, in the currency of price_per_hour.
 
     Raises ValueError for price_per_hour < 0, tokens_per_second <= 0 or a utilization outside (0, 1].
     """

@@ -60,13 +60,14 @@ def moe_layer(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, 
 
 
 def expected_distinct_experts(num_experts: int, top_k: int, batch_size: int) -> float:
-    """How many different experts a batch of batch_size tokens touches on average, when each token
-    picks top_k of num_experts experts uniformly at random (distinct within a token) and tokens
-    choose independently.
+    """How many different experts a batch of tokens touches, on average.
 
-    One token misses a given expert with probability 1 - k/E; all B tokens miss it with
-    probability (1 - k/E)^B; so the expected count is E * (1 - (1 - k/E)^B). A float; 0.0 for
-    batch_size 0. Raises ValueError unless 1 <= top_k <= num_experts and batch_size >= 0.
+    num_experts: the experts E of the layer; top_k: how many each token picks (k distinct experts,
+    chosen uniformly at random); batch_size: the tokens B in the batch, which choose independently
+    of each other.
+    Returns the expected number of experts that at least one token of the batch picked (a count,
+    as a float between 0 and E; 0.0 for batch_size 0), computed exactly, without sampling.
+    Raises ValueError unless 1 <= top_k <= num_experts and batch_size >= 0.
     """
     raise NotImplementedError("write me")
 

@@ -42,8 +42,15 @@ def all_reduce_per_token(num_layers: int, hidden_size: int, n: int, bytes_per_va
 
 
 def all_reduce_seconds(payload_bytes: float, n: int, link_bytes_per_s: float, latency_s: float) -> float:
-    """Time of one ring all-reduce of payload_bytes over n devices: a fixed latency plus 2 (n - 1) / n of
-    the payload over each device's link bandwidth (bytes per second, one direction). 0.0 when n == 1."""
+    """How long one ring all-reduce takes, in seconds, in a simple cost model.
+
+    payload_bytes: the bytes each device holds and contributes to the sum (the result has the same
+    size); n: the devices in the ring; link_bytes_per_s: each device's link bandwidth in bytes per
+    second, one direction (all devices send at the same time); latency_s: a fixed cost in seconds,
+    charged once per all-reduce whatever its size (launching and synchronising the collective).
+    The model: that fixed cost, plus the time each device needs to send its share of the ring's
+    traffic over its own link. Returns seconds; 0.0 when n == 1 (nothing to exchange).
+    """
     raise NotImplementedError("write me")
 
 

@@ -15,11 +15,19 @@ def inverse_hessian_cholesky(hessian: torch.Tensor, damping: float = 0.01) -> to
 
 
 def gptq_column_update(w: torch.Tensor, u: torch.Tensor, i: int, rounded: torch.Tensor) -> torch.Tensor:
-    """One GPTQ step on w [out, in] (float, columns < i already rounded), with U = u: column i becomes
-    `rounded` [out], and with e = (w[:, i] - rounded) / U[i, i] (one number per row, w as passed in), the columns
-    after i move by -e[:, None] * U[i, i+1:], that is w[:, i+1:] -= e[:, None] * U[i, i+1:].
+    """One GPTQ step: round column i, and move the columns not yet rounded to make up for its error.
 
-    Returns a new matrix; w itself is left unchanged.
+    w: [out, in] float weights; its columns before i are already rounded and stay as they are.
+    u: [in, in], the upper Cholesky factor U of H^-1 (U.T @ U = H^-1, as `inverse_hessian_cholesky`
+    returns it), H the layer's (damped) input Hessian: a change d of one row of weights adds d H d.T / 2 to
+    that row's output error. i: the column to round. rounded: [out], the value column i takes in
+    each row.
+    Returns a new [out, in] matrix: the columns before i as in w, column i equal to `rounded`, and
+    the columns after i changed, row by row, so that the output error the step adds, d H d.T / 2
+    (d: the row's change, zero before column i, rounded - w[:, i] at column i), is as small as it
+    can be. The change can be written with row i of U alone. w itself is left unchanged.
+
+    Worked: with e = (w[:, i] - rounded) / U[i, i] (one number per row), w[:, i+1:] -= e[:, None] * U[i, i+1:].
     """
     w = w.clone()
     error = (w[:, i] - rounded) / u[i, i]

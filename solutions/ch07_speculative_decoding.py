@@ -67,8 +67,20 @@ def ngram_propose(token_ids: list[int], k: int, max_n: int = 4, min_n: int = 1) 
 
 
 def expected_speedup(alpha: float, k: int, c: float) -> float:
-    """(1 - alpha^(k+1)) / ((1 - alpha)(1 + k c)): expected tokens per pass over the pass's cost,
-    in target steps. alpha = 1 gives (k + 1) / (1 + k c).
+    """The speedup to expect from speculative decoding over plain decoding.
+
+    Each pass drafts k guesses, then the target checks them all in one forward pass. Guesses are
+    checked in order; each is accepted with probability alpha given that the ones before it were,
+    and the first rejection ends the pass. Either way the target adds one token of its own (the
+    replacement of the rejected guess, or the bonus token when all k were accepted).
+
+    alpha: the per-token acceptance probability, in [0, 1] (1 included); k: guesses per pass, an
+    int >= 1; c: the cost of one draft step, in target steps (0 for free guesses). Count the
+    verification pass as one plain target step.
+    Returns the expected number of tokens per target step's worth of time, relative to plain
+    decoding's one token per step (a plain number: 1.0 gains nothing, below 1.0 loses).
+
+    Worked: (1 - alpha^(k+1)) / ((1 - alpha)(1 + k c)); alpha = 1 gives (k + 1) / (1 + k c).
     """
     tokens = k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
     return tokens / (1 + k * c)

@@ -57,9 +57,16 @@ def route(confidence: float, threshold: float) -> str:
 
 
 def routing_cost(share_cheap: float, cost_cheap: float) -> float:
-    """Mean cost per request relative to the full model: share_cheap x cost_cheap + share_full x 1.
+    """What a router saves: the mean cost of a request, relative to serving every request with the full model.
 
+    share_cheap: the fraction of requests the router sends to the cheap model, in [0, 1] (the others
+    go to the full model); cost_cheap: what one request costs on the cheap model, as a multiple of
+    its cost on the full model (>= 0; 0.2 means a fifth). Deciding is free here: the router's own
+    cost is left out.
+    Returns the mean cost of one request, in units of a full-model request (1.0 saves nothing).
     Raise ValueError unless 0 <= share_cheap <= 1 and cost_cheap >= 0.
+
+    Worked: share_cheap x cost_cheap + (1 - share_cheap) x 1.
     """
     if not 0.0 <= share_cheap <= 1.0:
         raise ValueError(f"share_cheap must be in [0, 1], got {share_cheap!r}")

@@ -1,5 +1,6 @@
 """Chapter 00: TTFT / TPOT from timestamps, weight bytes, bandwidth utilisation."""
 import random
+import time
 
 import pytest
 import torch
@@ -42,9 +43,23 @@ def test_tpot_needs_two_tokens(impl):
 
 
 def test_token_timestamps_from_the_real_engine(impl, llm):
-    arrival, times = impl.token_timestamps(llm, "The capital of France is", max_tokens=4)
+    passes = []  # when each forward pass of the model began
+    hook = llm.model.register_forward_pre_hook(lambda module, args: passes.append(time.perf_counter()))
+    try:
+        arrival, times = impl.token_timestamps(llm, "The capital of France is", max_tokens=4)
+    finally:
+        hook.remove()
     assert len(times) == 4  # end-of-sequence must not cut it short
     assert arrival < times[0] and all(a < b for a, b in zip(times, times[1:]))
+    assert len(passes) >= 4, f"the model ran {len(passes)} forward passes for 4 tokens"
+    # A token reaches us after the pass that computed it and before the pass of the next one begins: the stamps
+    # interleave with the passes. Stamps taken once the whole generation is over all come after the last pass.
+    # (Only the order of events is compared, so a slow or busy machine cannot make a right answer fail.)
+    assert arrival < passes[0], "arrival must be taken before the request is made"
+    assert times[0] < passes[-1], "the first token's stamp comes after the model's last pass: stamp each token as it arrives"
+    for j in range(3):
+        assert any(times[j] < start < times[j + 1] for start in passes), \
+            f"no forward pass began between the stamps of tokens {j} and {j + 1}: stamp each token as it arrives"
 
 
 def test_weight_bytes_of_the_real_model(impl, llm):
