@@ -143,7 +143,8 @@ class EngineConfig:
     tokenizer, a shipped draft such as 'smollm2-135m-draft', a LlamaModel, or a `minfer.spec.Proposer`) with
     num_speculative_tokens (1-16), both or neither. `from_kwargs` also takes vLLM's current form,
     speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-    "prompt_lookup_min": 1} or {"model": name_or_path, "num_speculative_tokens": k}.
+    "prompt_lookup_min": 1} or {"model": name_or_path, "num_speculative_tokens": k} (n-gram sizes of its
+    own become speculative_model=NgramLookup(...), which the engine turns into its proposer).
 
     enforce_eager: None (the default) replays decode steps as CUDA graphs on CUDA, as vLLM does
     (`minfer.engine.cuda_graphs`: a dense model on the Triton kernels), and runs every step eagerly
