@@ -172,6 +172,7 @@ class GlassEngine:
         import ipywidgets as w
 
         self.llm, self.hits = llm, set()
+        self.finished: dict[str, object] = {}  # request id -> its final RequestOutput, for the timeline
         self.prompt = w.Text(value="Explain what a KV cache is.", description="prompt", layout=w.Layout(width="420px"))
         self.max_tokens = w.IntSlider(value=max_tokens, min=1, max=128, description="max_tokens")
         self.share = w.Checkbox(value=True, description="with the shared prefix")
@@ -217,7 +218,9 @@ class GlassEngine:
             if not self.llm.has_unfinished_requests():
                 break
             before = {s: s.num_cached_prompt_tokens for s in self.llm.engine.scheduler.waiting}
-            self.llm.step()
+            for output in self.llm.step():
+                if output.finished:
+                    self.finished[output.request_id] = output
             admitted = [s for s in before if s in self.llm.engine.scheduler.running]
             if admitted:  # the blocks the newest admission found in the prefix cache
                 s = admitted[-1]
@@ -236,7 +239,7 @@ class GlassEngine:
         settings = {name: knob.value for name, knob in self.knobs.items()}
         config = dataclasses.replace(old.config, **settings)
         self.llm.engine = Engine(old.model, old.tokenizer, config, eos_token_ids=old.eos_token_ids)
-        self.hits = set()
+        self.hits, self.finished = set(), {}
         self.render()
 
     # ---------------------------------------------------------------- drawing
@@ -250,12 +253,17 @@ class GlassEngine:
         self.abort_choice.options = sorted(self.llm.engine.requests)
 
     def _timeline_html(self) -> str:
+        """Every request seen: the live ones from the engine, the finished ones from their last output."""
+        live = {rid: r.seqs[0] for rid, r in self.llm.engine.requests.items()}
         rows = []
-        for request_id, request in sorted(self.llm.engine.requests.items(), key=lambda kv: int(kv[0])):
-            m = request.seqs[0].metrics
-            ttft = f"{1000 * m.ttft:.0f} ms" if m.ttft is not None else "-"
-            tpot = f"{1000 * m.tpot:.0f} ms" if m.tpot else "-"
-            rows.append(f"<tr><td>{request_id}</td><td>{len(request.seqs[0].output_ids)}</td><td>{ttft}</td>"
-                        f"<td>{tpot}</td></tr>")
-        return ("<b>Requests in the engine</b><table><tr><th>request</th><th>tokens out</th><th>TTFT</th><th>TPOT</th>"
-                f"</tr>{''.join(rows)}</table>")
+        for request_id in sorted(set(live) | set(self.finished), key=int):
+            done = self.finished.get(request_id)
+            metrics = done.metrics if done is not None else live[request_id].metrics
+            tokens = len(done.outputs[0].token_ids) if done is not None else len(live[request_id].output_ids)
+            ttft = f"{1000 * metrics.ttft:.0f} ms" if metrics.ttft is not None else "-"
+            tpot = f"{1000 * metrics.tpot:.0f} ms" if metrics.tpot else "-"
+            state = done.outputs[0].finish_reason if done is not None else "in the engine"
+            rows.append(f"<tr><td>{request_id}</td><td>{state}</td><td>{tokens}</td><td>{ttft}</td><td>{tpot}</td></tr>")
+        return ("<b>Requests</b> (TTFT: arrival to first token; TPOT: time per output token after it)<table><tr>"
+                "<th>request</th><th>state</th><th>tokens out</th><th>TTFT</th><th>TPOT</th></tr>"
+                f"{''.join(rows[-12:])}</table>")

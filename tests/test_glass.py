@@ -50,6 +50,8 @@ def test_the_picture_follows_the_engine_step_by_step(small_llm):
     assert all(b.state != "used" for b in picture(small_llm.engine).blocks)
     assert any(b.state == "cached" for b in picture(small_llm.engine).blocks)
     assert first not in small_llm.engine.requests
+    timeline = glass.views["timeline"].value  # finished requests stay on the timeline, with their latencies
+    assert all(f"<td>{rid}</td><td>length</td>" in timeline for rid in ("0", "1", "2")) and " ms</td>" in timeline
 
 
 def test_preemption_shows_and_the_buttons_drive_the_engine(tiny_dir):
