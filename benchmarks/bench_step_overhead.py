@@ -45,10 +45,10 @@ def engine_overhead_per_step(llm: LLM, batch: int, tokens: int) -> list[float]:
     runner, in_runner = llm.engine.runner, [0.0]
     run = runner.run
 
-    def timed_run(scheduled):
+    def timed_run(scheduled, mask_logits=None):
         start = time.perf_counter()
         try:
-            return run(scheduled)
+            return run(scheduled, mask_logits)
         finally:
             in_runner[0] += time.perf_counter() - start
 
