@@ -1,5 +1,5 @@
 """Chapter 09: serving under load — latency percentiles, goodput, Poisson arrivals, a streaming
-handler and the price of a token.
+handler, the price of a token, and a structured-output mask by hand.
 
 Fill in each function (replace `raise NotImplementedError`), then run `check("ch09")` in the
 notebook.
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 from typing import AsyncIterator, Optional, Sequence
+
+import torch
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -96,4 +98,32 @@ def cost_per_million_tokens(price_per_hour: float, tokens_per_second: float, uti
 
     Raises ValueError for price_per_hour < 0, tokens_per_second <= 0 or a utilization outside (0, 1].
     """
+    raise NotImplementedError("write me")
+
+
+def choice_mask(token_texts: Sequence[str], choices: Sequence[str], text_so_far: str, eos_id: int) -> torch.Tensor:
+    """Structured output, by hand: which next tokens keep the answer on its way to one of `choices`?
+
+    token_texts[t] is the text token t adds (every id of the vocabulary, in order); text_so_far is
+    what the answer says already. Return a bool tensor of len(token_texts): True where the token may
+    come next. The end-of-sequence token (eos_id) may come only once the answer is complete. A token
+    that adds no text never helps. (The engine's `StructuredOutputsParams(choice=...)` does the same
+    with a compiled automaton; the test compares your mask's greedy answers with the engine's.)
+    """
+    raise NotImplementedError("write me")
+
+
+def dfa_mask(transitions: dict[int, dict[str, int]], accepting: set[int], state: int,
+             token_texts: Sequence[str], eos_id: int) -> torch.Tensor:
+    """The same for a regular expression written as a state machine over characters.
+
+    transitions[s][c] is the state after reading character c in state s (a missing entry: c is not
+    allowed there); `accepting` holds the states where the text may end. From `state`, which tokens
+    may come next? A token is read character by character. Return a bool tensor of len(token_texts).
+    """
+    raise NotImplementedError("write me")
+
+
+def dfa_advance(transitions: dict[int, dict[str, int]], state: int, text: str) -> int:
+    """The state after reading `text` from `state` (a KeyError if the text leaves the machine)."""
     raise NotImplementedError("write me")

@@ -1,5 +1,5 @@
-"""Chapter 09, worked: latency percentiles, goodput, Poisson arrivals, a streaming handler and the
-price of a token."""
+"""Chapter 09, worked: latency percentiles, goodput, Poisson arrivals, a streaming handler, the
+price of a token, and a structured-output mask by hand."""
 from __future__ import annotations
 
 import asyncio
@@ -7,6 +7,8 @@ import json
 import math
 import random
 from typing import AsyncIterator, Optional, Sequence
+
+import torch
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -149,3 +151,37 @@ def cost_per_million_tokens(price_per_hour: float, tokens_per_second: float, uti
     if not 0 < utilization <= 1:
         raise ValueError(f"utilization must be in (0, 1], got {utilization}")
     return price_per_hour / (tokens_per_second * utilization * 3600) * 1e6
+
+
+def choice_mask(token_texts: Sequence[str], choices: Sequence[str], text_so_far: str, eos_id: int) -> torch.Tensor:
+    """Which next tokens keep the answer on its way to one of `choices` (see the exercise's docstring).
+
+    Worked: a token may come when the text it makes is still the start of some choice; the end only
+    once the text is a whole choice."""
+    live = [c for c in choices if c.startswith(text_so_far)]
+    mask = torch.tensor([bool(t) and any(c.startswith(text_so_far + t) for c in live) for t in token_texts])
+    mask[eos_id] = text_so_far in choices
+    return mask
+
+
+def dfa_mask(transitions: dict[int, dict[str, int]], accepting: set[int], state: int,
+             token_texts: Sequence[str], eos_id: int) -> torch.Tensor:
+    """Which tokens the state machine can read whole from `state`; the end only in an accepting state."""
+    def readable(text: str) -> bool:
+        s = state
+        for ch in text:
+            if ch not in transitions.get(s, {}):
+                return False
+            s = transitions[s][ch]
+        return bool(text)
+
+    mask = torch.tensor([readable(t) for t in token_texts])
+    mask[eos_id] = state in accepting
+    return mask
+
+
+def dfa_advance(transitions: dict[int, dict[str, int]], state: int, text: str) -> int:
+    """The state after reading `text` from `state` (a KeyError if the text leaves the machine)."""
+    for ch in text:
+        state = transitions[state][ch]
+    return state

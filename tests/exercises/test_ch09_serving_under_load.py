@@ -254,3 +254,74 @@ def test_cost_scales_inversely_with_utilization_and_throughput(impl):
 def test_cost_refuses_bad_input(impl, args):
     with pytest.raises(ValueError):
         impl.cost_per_million_tokens(*args)
+
+
+# ---------------------------------------------------------------- structured output by hand
+TOY = ["y", "ye", "yes", "n", "no", "", "x", " yes", "s", "<end>"]  # token id = index; 9 ends the sequence
+
+
+def allowed(mask) -> list[str]:
+    return [TOY[i] for i in range(len(TOY)) if bool(mask[i])]
+
+
+def test_choice_mask_by_hand(impl):
+    assert allowed(impl.choice_mask(TOY, ["yes", "no"], "", 9)) == ["y", "ye", "yes", "n", "no"]
+    assert allowed(impl.choice_mask(TOY, ["yes", "no"], "ye", 9)) == ["s"]
+    assert allowed(impl.choice_mask(TOY, ["yes", "no"], "yes", 9)) == ["<end>"]
+    assert allowed(impl.choice_mask(TOY, ["yes", "yesno"], "yes", 9)) == ["n", "no", "<end>"]  # whole, or go on
+
+
+DIGITS = {s: {str(d): s + 1 for d in range(10)} for s in (0, 1, 3)}
+DASHED = {**DIGITS, 2: {"-": 3}}  # [0-9]{2}-[0-9]: states 0 -digit-> 1 -digit-> 2 -"-"-> 3 -digit-> 4
+DASHED_TOKENS = ["1", "12", "123", "2-", "-", "-5", "5", "", "a", "<end>"]
+
+
+def test_dfa_mask_and_advance_by_hand(impl):
+    def ok(state):
+        mask = impl.dfa_mask(DASHED, {4}, state, DASHED_TOKENS, 9)
+        return [DASHED_TOKENS[i] for i in range(len(DASHED_TOKENS)) if bool(mask[i])]
+
+    assert ok(0) == ["1", "12", "5"]
+    assert ok(1) == ["1", "2-", "5"]
+    assert ok(2) == ["-", "-5"]
+    assert ok(4) == ["<end>"]
+    assert impl.dfa_advance(DASHED, 0, "12") == 2 and impl.dfa_advance(DASHED, 1, "2-5") == 4
+    with pytest.raises(KeyError):
+        impl.dfa_advance(DASHED, 0, "1-")
+
+
+def test_your_masks_give_the_engines_structured_answers(impl, tiny_dir):
+    import torch
+
+    from minfer import LLM, SamplingParams
+    from minfer.sampling_params import StructuredOutputsParams
+
+    llm = LLM(tiny_dir, dtype="float32", device="cpu")
+    tok = llm.tokenizer
+    texts = [tok.decode([t]) for t in range(llm.model.config.vocab_size)]
+    (eos,) = llm.engine.eos_token_ids
+    prompt = tok.encode("The answer is")
+
+    def greedy(mask_for, advance=lambda state, text: state) -> str:  # each step, the best token your mask allows
+        ids, out, state = list(prompt), [], 0
+        for _ in range(12):
+            logits = llm.model(torch.tensor([ids]), torch.arange(len(ids))[None])[0, -1]
+            token = int(torch.where(mask_for(out, state), logits, -torch.inf).argmax())
+            if token == eos:
+                break
+            state = advance(state, texts[token])
+            out.append(token)
+            ids.append(token)
+        return tok.decode(out)
+
+    def engine(shape) -> str:
+        params = SamplingParams(temperature=0, max_tokens=12, structured_outputs=shape)
+        return llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].text
+
+    choices = [" alpha", " beta", " gamma", " gamma delta"]
+    ours = greedy(lambda out, _: impl.choice_mask(texts, choices, tok.decode(out), eos))
+    assert ours in choices and ours == engine(StructuredOutputsParams(choice=choices))
+
+    ours = greedy(lambda out, state: impl.dfa_mask(DASHED, {4}, state, texts, eos),
+                  lambda state, text: impl.dfa_advance(DASHED, state, text))
+    assert len(ours) == 4 and ours == engine(StructuredOutputsParams(regex="[0-9]{2}-[0-9]"))
