@@ -327,3 +327,26 @@ def test_streamed_n_and_echo_match_the_whole_answers(server):
     echoed = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True)
     plain = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
     assert echoed.choices[0].text == PROMPTS[0] + plain.choices[0].text
+
+
+def test_response_format_structured_outputs_and_the_clients_parse_helper(server):
+    import pydantic
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=16)
+        age: int = pydantic.Field(ge=0, le=120)
+
+    client = server.client()
+    messages = [{"role": "user", "content": "Ann is 31. Give her as JSON."}]
+    parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
+    parsed = parse(model=MODEL, messages=messages, response_format=Person, max_tokens=80, temperature=0)
+    assert isinstance(parsed.choices[0].message.parsed, Person)
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=120, temperature=0,
+                                           response_format={"type": "json_object"})
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    chosen = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=5, n=3,
+                                       temperature=1.0, extra_body={"structured_outputs": {"choice": [" yes", " no"]}})
+    assert {c.text for c in chosen.choices} <= {" yes", " no"}
+    bad = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}})
+    assert bad.status_code == 400 and "cannot be compiled: Unsupported type" in bad.json()["error"]["message"]

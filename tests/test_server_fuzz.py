@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from minfer import LLM, SamplingParams
 from test_server import Server, wait_until
 
-FUZZ = settings(max_examples=60, deadline=None, derandomize=True,
+FUZZ = settings(max_examples=40, deadline=None, derandomize=True,
                 suppress_health_check=list(HealthCheck))
 
 

@@ -248,8 +248,10 @@ def read_until_closed(sock: socket.socket) -> bytes:
 
 
 @pytest.mark.slow
-def test_stalled_clients_are_cut_off_and_connections_are_bounded(tiny_model):
-    s = Server(tiny_model, "--served-model-name", "tiny", "--request-read-timeout", "2", "--limit-concurrency", "12")
+def test_stalled_clients_are_cut_off_connections_are_bounded_and_a_shutdown_tells_the_streams(tiny_model):
+    s = Server(tiny_model, "--served-model-name", "tiny", "--request-read-timeout", "2", "--limit-concurrency", "12",
+               "--max-num-seqs", "1", "--shutdown-timeout", "1")
+    socks, more = [], []
     try:
         socks = [stalled(s.port, body_bytes=i % 2 == 0) for i in range(10)]
         start = time.monotonic()
@@ -266,6 +268,16 @@ def test_stalled_clients_are_cut_off_and_connections_are_bounded(tiny_model):
             else:
                 assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 2 s" in reply, reply
         assert httpx.post(s.url + URL, json={"model": "tiny", "prompt": "a", "max_tokens": 2}).status_code == 200
+        # SIGTERM while a long stream runs: past --shutdown-timeout it ends with an error event, then [DONE]
+        body = {"model": "tiny", "prompt": "a b", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.url + URL, json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data:")
+            s.proc.send_signal(signal.SIGTERM)
+            events = [line[len("data: "):] for line in lines if line.startswith("data:")]
+        assert events[-1] == "[DONE]"
+        assert "shut down before the request finished" in json.loads(events[-2])["error"]["message"], events[-2:]
+        assert s.proc.wait(30) == 0
     finally:
         for sock in socks + more:
             sock.close()
@@ -273,24 +285,10 @@ def test_stalled_clients_are_cut_off_and_connections_are_bounded(tiny_model):
 
 
 @pytest.mark.slow
-def test_a_stream_cut_by_the_shutdown_timeout_ends_with_an_error_event_and_done(tiny_model):
-    s = Server(tiny_model, "--served-model-name", "tiny", "--max-num-seqs", "1", "--shutdown-timeout", "1")
-    body = {"model": "tiny", "prompt": "a b", "max_tokens": 4000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", s.url + URL, json=body, timeout=60) as response:
-        lines = response.iter_lines()
-        assert next(lines).startswith("data:")
-        s.proc.send_signal(signal.SIGTERM)
-        events = [line[len("data: "):] for line in lines if line.startswith("data:")]
-    assert events[-1] == "[DONE]"
-    assert "shut down before the request finished" in json.loads(events[-2])["error"]["message"], events[-2:]
-    assert s.proc.wait(30) == 0
-
-
-@pytest.mark.slow
 def test_a_short_hostile_soak(tiny_model):
     from minfer.bench.hostile import hostile_soak
 
-    result = hostile_soak(tiny_model, seconds=8, seed=1)
+    result = hostile_soak(tiny_model, seconds=5, seed=1)
     assert result["ordinary_answers"] > 0 and result["hostile_actions"] > 0, result
     assert result["ordinary_mismatches"] == result["server_errors"] == result["dropped_connections"] == 0, result
     assert result["running_at_end"] == result["waiting_at_end"] == result["kv_cache_usage_at_end"] == 0, result

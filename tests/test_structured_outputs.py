@@ -1,4 +1,5 @@
-"""Structured outputs: JSON of a schema, a regex, a choice, a grammar; in the library and through the server."""
+"""Structured outputs: JSON of a schema, a regex, a choice, a grammar, in the library (through the server:
+tests/test_server.py)."""
 import json
 import re
 
@@ -83,34 +84,3 @@ def test_speculative_decoding_refuses_a_shape_clearly(tiny_dir):
     spec = LLM(tiny_dir, dtype="float32", device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="structured_outputs is not supported with speculative decoding"):
         spec.generate("a b", SamplingParams(max_tokens=4, structured_outputs=Shape(choice=["x"])), use_tqdm=False)
-
-
-@pytest.mark.slow
-def test_the_server_serves_response_format_and_the_clients_parse_helper(llm):
-    import httpx
-    import pydantic
-
-    from test_server import MODEL, Server
-
-    class Person(pydantic.BaseModel):
-        name: str = pydantic.Field(max_length=16)
-        age: int = pydantic.Field(ge=0, le=120)
-
-    s = Server(MODEL, "--dtype", "float32", "--max-num-seqs", "4")
-    try:
-        client = s.client()
-        messages = [{"role": "user", "content": "Ann is 31. Give her as JSON."}]
-        parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
-        parsed = parse(model=MODEL, messages=messages, response_format=Person, max_tokens=80, temperature=0)
-        assert isinstance(parsed.choices[0].message.parsed, Person)
-        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=120, temperature=0,
-                                               response_format={"type": "json_object"})
-        assert isinstance(json.loads(reply.choices[0].message.content), dict)
-        chosen = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=5, n=3,
-                                           temperature=1.0, extra_body={"structured_outputs": {"choice": [" yes", " no"]}})
-        assert {c.text for c in chosen.choices} <= {" yes", " no"}
-        bad = httpx.post(s.url + "/v1/chat/completions", json={"messages": messages, "response_format": {
-            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}})
-        assert bad.status_code == 400 and "cannot be compiled: Unsupported type" in bad.json()["error"]["message"]
-    finally:
-        assert s.stop() == 0
