@@ -12,6 +12,7 @@ from minfer.logprobs import MAX_LOGPROBS
 # Below this a temperature divides the logits into infinities, and the softmax into NaN; vLLM raises
 # such temperatures to the same floor (with a warning) instead of failing.
 MIN_TEMPERATURE = 0.01
+MAX_N = 4096  # completions per prompt (a server may allow fewer: `minfer serve --max-n`)
 
 
 @dataclass(kw_only=True)
@@ -97,8 +98,8 @@ class SamplingParams:
             if not _has_type(value, kind):
                 allowed = {int: "an integer", float: "a number", bool: "True or False"}[kind]
                 raise TypeError(f"{name} must be {allowed}, got {type(value).__name__} {value!r}")
-        if self.n < 1:
-            raise bad("n", self.n, "an integer >= 1")
+        if not 1 <= self.n <= MAX_N:  # each completion is a sequence made up front: a bound keeps memory finite
+            raise bad("n", self.n, f"an integer >= 1 and at most {MAX_N}")
         if not 0 <= self.temperature < math.inf:
             raise bad("temperature", self.temperature, "a finite number >= 0 (0 means greedy)")
         if 0 < self.temperature < MIN_TEMPERATURE:

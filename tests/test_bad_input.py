@@ -14,6 +14,7 @@ from minfer import LLM, SamplingParams
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
     (dict(top_k=-2), "top_k must be an integer >= 1, or 0 / -1"),
     (dict(n=0), "n must be an integer >= 1"),
+    (dict(n=10 ** 9), "n must be an integer >= 1 and at most 4096, got 1000000000"),  # not a billion sequences
     (dict(stop=[""]), "stop must be a non-empty string"),
     (dict(stop=5), "stop must be a non-empty string or a list of them, got 5"),
     (dict(stop_token_ids=5), r"stop_token_ids must be a list of token ids \(integers >= 0\), got 5"),
