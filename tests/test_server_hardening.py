@@ -165,7 +165,8 @@ def test_types_are_strict_and_errors_say_what_was_wrong(server):
     for body, field in [({**ok, "prompt": [True, False]}, "prompt"), ({**ok, "max_tokens": "2"}, "max_tokens"),
                         ({**ok, "max_tokens": True}, "max_tokens"), ({**ok, "stream": "yes"}, "stream"),
                         ({**ok, "temperature": True}, "temperature"), ({**ok, "n": 1.0}, "n"),
-                        ({**ok, "stop_token_ids": [True]}, "stop_token_ids")]:
+                        ({**ok, "stop_token_ids": [True]}, "stop_token_ids"),
+                        ({**ok, "structured_outputs": {"choice": [""]}}, "choice must be a list of non-empty strings")]:
         r = httpx.post(server.url + URL, json=body, timeout=30)
         assert r.status_code == 400 and field in r.json()["error"]["message"], (body, r.text)
     chat = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]})

@@ -122,7 +122,13 @@ class _Sampling(_Strict):
         return StructuredOutputsParams(json=wanted.json_schema.schema_)
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
-        """The engine's SamplingParams; a ValueError names any value the engine refuses."""
+        """The engine's SamplingParams; a ValueError (a 400) names any value the engine refuses."""
+        try:
+            return self._sampling_params(max_tokens, logprobs)
+        except TypeError as exc:  # the schema has checked the types: what is left is a value the engine refuses
+            raise ValueError(str(exc)) from None
+
+    def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise ValueError(f"{name} is not supported by minfer: leave it at 0")
