@@ -58,7 +58,8 @@ def online_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 # ----------------------------------------------------------------- the Triton ladder
-# Three kernels, each one step closer to minfer/kernels/paged_decode_attention.py. On a CPU they run
+# Three kernels, each one step closer to minfer/kernels/paged_decode_attention.py, then a fourth, the
+# prefill kernel of minfer/kernels/paged_prefill_attention.py in its simplest form. On a CPU they run
 # under Triton's interpreter: the notebook sets TRITON_INTERPRET=1 before triton is first imported (in a
 # shell of your own, set it too, or Triton stops with '0 active drivers'). BLOCK_SIZE is the cache's block
 # size (any integer); BLOCK_N, BLOCK_D are tile sizes (powers of two, as tl.arange wants).
@@ -164,5 +165,28 @@ def paged_attention_split_k_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool
     split; slice s covers [s * span, min((s + 1) * span, context_len)) with
     span = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N. Store m, l, acc into float32
     buffers [num_seqs, num_heads, num_splits] (and [..., BLOCK_D]) and merge them in PyTorch.
+    """
+    raise NotImplementedError("write me")
+
+
+def flash_prefill_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                         cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: Optional[float] = None,
+                         block_m: int = 16, block_n: int = 16) -> torch.Tensor:
+    """Causal prefill attention by a Triton kernel (FlashAttention, forward): the engine's ``paged_prefill_attention``.
+
+    q [total_new_tokens, num_heads, head_dim]: the new tokens of all sequences packed one after another,
+    sequence s owning rows cu_seqlens_q[s] : cu_seqlens_q[s + 1] (cu_seqlens_q int32 [num_seqs + 1], from 0).
+    k_pool, v_pool [num_blocks, block_size, num_kv_heads, head_dim] already hold the new tokens' K/V;
+    block_tables int32 [num_seqs, max_blocks]; context_lens int32 [num_seqs] counts the cached prefix and the
+    new chunk, so with q_len new tokens query i sits at absolute position context_len - q_len + i and sees
+    positions 0 up to that (1 <= q_len <= context_len). GQA and scale as in ``paged_attention_triton``.
+    One program per (tile of block_m queries, sequence, query head) walks the keys in tiles of block_n
+    (powers of two, at least 16, as tl.dot wants) with the online softmax, and stops at the causal limit.
+    Returns [total_new_tokens, num_heads, head_dim] in q's dtype.
+
+    The question to answer before you write the loop: for a tile of queries, which is the last key
+    position any of them may see, and which keys of a tile must still be masked, and why? Your decode
+    kernel's walk and your online-softmax step carry over; what changes is that the state (m, l, acc)
+    now has one row per query of the tile, and the scores of a tile are a [block_m, block_n] matrix.
     """
     raise NotImplementedError("write me")

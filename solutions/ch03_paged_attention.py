@@ -84,7 +84,8 @@ def online_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 # ----------------------------------------------------------------- the Triton ladder
-# Three kernels, each one step closer to minfer/kernels/paged_decode_attention.py. On a CPU they run
+# Three kernels, each one step closer to minfer/kernels/paged_decode_attention.py, then a fourth, the
+# prefill kernel of minfer/kernels/paged_prefill_attention.py in its simplest form. On a CPU they run
 # under Triton's interpreter (TRITON_INTERPRET=1, set before triton is first imported).
 
 @triton.jit
@@ -312,3 +313,100 @@ def paged_attention_split_k_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool
     weight = torch.exp(m - m.max(dim=-1, keepdim=True).values)  # empty splits weigh exp(-inf) = 0
     out = (weight[..., None] * acc).sum(dim=2) / (weight * l).sum(dim=2, keepdim=True)
     return out[..., :head_dim].to(q.dtype)
+
+
+# ----------------------------------------------------------------- 7e: FlashAttention for prefill
+
+@triton.jit
+def _flash_prefill_kernel(q_ptr, k_pool_ptr, v_pool_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, out_ptr,
+                          scale, stride_q_token, stride_q_head, stride_pool_block, stride_pool_token, stride_pool_head,
+                          stride_table_seq, stride_out_token, stride_out_head, head_dim,
+                          GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    context_len = tl.load(context_lens_ptr + seq)
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # this tile's queries, counted within the sequence's chunk
+    row_ok = rows < q_len  # the grid is sized for the longest chunk: a shorter one leaves rows (or whole tiles) idle
+    query_pos = context_len - q_len + rows  # each query's absolute position: the cached prefix comes first
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < head_dim
+    q_mask = row_ok[:, None] & dim_ok[None, :]
+    q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_q_token + head * stride_q_head + dims[None, :],
+                mask=q_mask, other=0.0)
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Causality: no query of this tile sees past the position of its last query, so the walk stops there.
+    kv_end = tl.minimum(context_len - q_len + (tile + 1) * BLOCK_M, context_len)
+    table = block_tables_ptr + seq * stride_table_seq
+    for start in range(0, kv_end, BLOCK_N):
+        positions = start + tl.arange(0, BLOCK_N)
+        token_ok = positions < kv_end
+        block = tl.load(table + positions // BLOCK_SIZE, mask=token_ok, other=0).to(tl.int64)
+        token = block * stride_pool_block + (positions % BLOCK_SIZE) * stride_pool_token + kv_head * stride_pool_head
+        kv_mask = token_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_pool_ptr + token[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_pool_ptr + token[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        # a [BLOCK_M, BLOCK_N] tile of scores: one matrix product, the work that makes prefill compute-bound
+        # (input_precision="ieee": float32 stays float32 on a GPU, whose default rounds it to TF32)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        visible = token_ok[None, :] & (positions[None, :] <= query_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        # online_softmax_step, for BLOCK_M rows at once. Every row sees position 0 in the first tile (an idle
+        # row past q_len sits beyond the context and sees all of it), so m turns finite there.
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m = m_new
+
+    out = acc / l[:, None]
+    tl.store(out_ptr + (q_start + rows)[:, None] * stride_out_token + head * stride_out_head + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def flash_prefill_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                         cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: Optional[float] = None,
+                         block_m: int = 16, block_n: int = 16) -> torch.Tensor:
+    """Causal prefill attention by a Triton kernel (FlashAttention, forward): the engine's ``paged_prefill_attention``.
+
+    q [total_new_tokens, num_heads, head_dim]: the new tokens of all sequences packed one after another,
+    sequence s owning rows cu_seqlens_q[s] : cu_seqlens_q[s + 1] (cu_seqlens_q int32 [num_seqs + 1], from 0).
+    k_pool, v_pool [num_blocks, block_size, num_kv_heads, head_dim] already hold the new tokens' K/V;
+    block_tables int32 [num_seqs, max_blocks]; context_lens int32 [num_seqs] counts the cached prefix and the
+    new chunk, so with q_len new tokens query i sits at absolute position context_len - q_len + i and sees
+    positions 0 up to that (1 <= q_len <= context_len). GQA and scale as in ``paged_attention_triton``.
+    One program per (tile of block_m queries, sequence, query head) walks the keys in tiles of block_n
+    (powers of two, at least 16, as tl.dot wants) with the online softmax, and stops at the causal limit.
+    Returns [total_new_tokens, num_heads, head_dim] in q's dtype.
+    """
+    group = check_attention_inputs(q, k_pool, v_pool, block_tables, context_lens)
+    for name, size in (("block_m", block_m), ("block_n", block_n)):
+        if size < 16 or size & (size - 1):
+            raise ValueError(f"{name} must be a power of two of at least 16 (tl.dot's smallest tile), got {size}")
+    starts = cu_seqlens_q.tolist()
+    q_lens = [end - start for start, end in zip(starts, starts[1:])]
+    if len(starts) != len(context_lens) + 1 or starts[0] != 0 or starts[-1] != q.shape[0]:
+        raise ValueError(f"cu_seqlens_q must be [num_seqs + 1] cumulative starts from 0 to {q.shape[0]}, got {starts}")
+    if any(not 1 <= n <= ctx for n, ctx in zip(q_lens, context_lens.tolist())):
+        raise ValueError(f"every sequence needs 1 <= q_len <= context_len, got q_lens {q_lens} and context_lens "
+                         f"{context_lens.tolist()}")
+    num_heads, head_dim = q.shape[1:]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    out = torch.empty_like(q)
+    grid = (triton.cdiv(max(q_lens), block_m), len(q_lens), num_heads)
+    _flash_prefill_kernel[grid](
+        q, k_pool, v_pool, block_tables, cu_seqlens_q, context_lens, out, scale,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1), head_dim,
+        GROUP=group, BLOCK_SIZE=k_pool.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
+    return out

@@ -1,6 +1,7 @@
 """Chapter 03: slots and block tables against the engine's BlockManager, paged attention against the
-kernels' PyTorch reference, online softmax against the plain softmax, and the three Triton kernels of
-the ladder against PyTorch.
+kernels' PyTorch reference, online softmax against the plain softmax, the three Triton kernels of
+the ladder against PyTorch, and the prefill kernel (7e) against PyTorch's scaled_dot_product_attention and
+inside the engine.
 
 The Triton kernels run compiled on CUDA, and on a CPU under Triton's interpreter, which must be
 switched on (TRITON_INTERPRET=1) before triton is first imported: @triton.jit reads it when it
@@ -9,6 +10,7 @@ imports, and check("ch03") hands it on to this file's process. Where triton was 
 it (tests/conftest.py imports the engine, which imports triton), the kernel tests are not collected
 here and test_triton_ladder_in_a_fresh_process runs this file again with the interpreter on.
 """
+import itertools
 import math
 import os
 import sys
@@ -21,6 +23,9 @@ KERNELS_RUN_HERE = ON_CUDA or os.environ.get("TRITON_INTERPRET") == "1" or "trit
 if KERNELS_RUN_HERE and not ON_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 DEVICE = "cuda" if ON_CUDA else "cpu"
+
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention.bias import causal_lower_right  # noqa: E402  (it imports triton)
 
 from minfer.course import REPO_ROOT, run_tests  # noqa: E402
 from minfer.engine.block_manager import BlockManager  # noqa: E402
@@ -331,3 +336,90 @@ def test_paged_attention_triton_at_a_real_size_and_its_speed(impl, gen, in_a_ker
         record_property("speedup over the gather reference",
                         f"{reference / yours:.1f}x ({yours * 1e6:.0f} us vs {reference * 1e6:.0f} us, "
                         f"16 sequences x 2048 tokens, {torch.cuda.get_device_name(0)})")
+
+
+# ----------------------------------------------------------------- 7e: FlashAttention for prefill
+
+def prefill_batch(q_lens: list[int], context_lens: list[int], heads: int, kv_heads: int, head_dim: int,
+                  block_size: int, gen: torch.Generator):
+    """A prefill step's inputs: paged_batch's pools and tables for the contexts, and each sequence's new
+    tokens (the last q_len of its context) packed into q, with their cu_seqlens."""
+    _, k_pool, v_pool, tables, lens = paged_batch(context_lens, heads, kv_heads, head_dim, block_size, gen)
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=gen)
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    return q, k_pool, v_pool, tables, cu_seqlens, lens
+
+
+def sdpa_prefill(q, k_pool, v_pool, tables, cu_seqlens, lens, scale=None):
+    """PyTorch's attention, one sequence at a time: its K/V gathered in order, its KV heads repeated for
+    GQA, and the causal mask aligned to the end of the context (the new tokens are its last q_len)."""
+    group = q.shape[1] // k_pool.shape[2]
+    out = torch.empty_like(q)
+    for seq, length in enumerate(lens.tolist()):
+        start, end = cu_seqlens[seq].item(), cu_seqlens[seq + 1].item()
+        slots = slots_for_positions(tables[seq], torch.arange(length), k_pool.shape[1])
+        k, v = (pool.flatten(0, 1)[slots].transpose(0, 1).repeat_interleave(group, dim=0) for pool in (k_pool, v_pool))
+        out[start:end] = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k, v, scale=scale,
+                                                        attn_mask=causal_lower_right(end - start, length)).transpose(0, 1)
+    return out
+
+
+PREFILL_CASES = {  # (new tokens per sequence, context lengths, heads, KV heads, head_dim, block size)
+    "cached-prefix": ([7, 20], [32, 45], 4, 4, 16, 4),
+    "whole-prompts": ([17, 33], [17, 33], 6, 2, 24, 8),
+    "ragged-mixed": ([1, 40, 9, 3], [1, 55, 9, 20], 3, 1, 8, 16),
+}
+
+
+@runs_kernels
+@pytest.mark.parametrize("case", list(PREFILL_CASES))
+def test_flash_prefill_triton_equals_sdpa(impl, gen, in_a_kernel, case):
+    # every context but the 32-token one ends inside its last block (a partial last block); tiles of 16
+    # queries leave the 33- and 40-token chunks a last tile of 1 and 8 rows
+    batch = prefill_batch(*PREFILL_CASES[case], gen)
+    expected = sdpa_prefill(*batch)
+    out = in_a_kernel(impl.flash_prefill_triton, *(t.to(DEVICE) for t in batch))
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+@runs_kernels
+def test_flash_prefill_triton_other_tiles_and_the_scale(impl, gen, in_a_kernel):
+    batch = prefill_batch([12, 37], [50, 37], 4, 2, 16, 4, gen)
+    expected = sdpa_prefill(*batch, scale=0.3)
+    out = in_a_kernel(impl.flash_prefill_triton, *(t.to(DEVICE) for t in batch), scale=0.3, block_m=32, block_n=32)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+@runs_kernels
+def test_flash_prefill_triton_inside_the_engine(impl, random_tiny_dir, monkeypatch):
+    """The engine's Triton path with your kernel for every prefill chunk gives the tokens and log-probabilities
+    of its own kernel. Chunks of at most 16 tokens split the longer prompts: later chunks read a cached prefix."""
+    from minfer import LLM, SamplingParams
+    from minfer.kernels import paged_prefill_attention as prefill_module
+
+    rng = torch.Generator().manual_seed(1)
+    prompts = [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=rng).tolist()} for n in (5, 23, 38)]
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    chunks = []
+
+    def yours(q, k_pool, v_pool, block_tables, cu_seqlens_q, context_lens, scale=None, *, k_scales=None,
+              v_scales=None, max_q_len=None):
+        assert k_scales is None and v_scales is None  # float pools
+        chunks.extend(zip(cu_seqlens_q.diff().tolist(), context_lens.tolist()))
+        return impl.flash_prefill_triton(q, k_pool, v_pool, block_tables, cu_seqlens_q, context_lens, scale)
+
+    results = []
+    for kernel in (prefill_module.paged_prefill_attention, yours):
+        llm = LLM(random_tiny_dir, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16,
+                  num_gpu_blocks_override=40)
+        llm.engine.runner.use_kernels = True
+        with monkeypatch.context() as patch:
+            patch.setattr(prefill_module, "paged_prefill_attention", kernel)
+            outputs = llm.generate(prompts, greedy, use_tqdm=False)
+        results.append(([o.outputs[0].token_ids for o in outputs],
+                        torch.tensor([o.outputs[0].cumulative_logprob for o in outputs])))
+    (engine_tokens, engine_logprobs), (your_tokens, your_logprobs) = results
+    assert any(q_len < length for q_len, length in chunks), f"no chunk read a cached prefix: {chunks}"
+    # The random weights' greedy tokens hardly depend on attention; their log-probabilities do (as in section 7d).
+    assert your_tokens == engine_tokens
+    torch.testing.assert_close(your_logprobs, engine_logprobs, rtol=0, atol=1e-4)
