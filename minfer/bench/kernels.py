@@ -1,60 +1,110 @@
-"""Paged decode attention on CUDA: the Triton kernel vs its PyTorch (gather) reference, as a share of bandwidth.
+"""Paged decode attention on CUDA: the Triton kernel vs its baselines, as a share of bandwidth.
 
 For benchmarks/bench_kernels.py and chapter 03's GPU cell. A decode step reads every cached K and V byte
 of the batch once and does almost no math on it, so its speed limit is memory bandwidth:
 
     bandwidth fraction = bytes of K/V read / kernel time / peak bandwidth
+
+Two baselines: the kernel's PyTorch reference ("gather": copy each sequence's blocks out, then softmax), and
+PyTorch's scaled_dot_product_attention over a contiguous cache of the same tokens ("sdpa": the FlashAttention
+backend, what the step would cost if the cache were not paged).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
+from minfer.bench.common import best_time
 from minfer.bench.generate import measure_memory_bandwidth
+
+BASELINES = ("gather", "sdpa")
+
+
+def contiguous_cache(pool: torch.Tensor, block_tables: torch.Tensor, context_len: int,
+                     scales: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Every sequence's first context_len tokens of a pool, copied out in order: [num_seqs, num_kv_heads,
+    context_len, head_dim] in dtype (default the pool's), dequantized with scales (an int8 or fp8 pool's)."""
+    from minfer.kernels.paged_cache import gather_kv
+
+    rows = [gather_kv(pool, table, context_len, scales) for table in block_tables]
+    return torch.stack(rows).transpose(1, 2).to(dtype or pool.dtype).contiguous()
+
+
+def sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One decode query per sequence over a contiguous cache, by PyTorch's FlashAttention backend.
+
+    q [num_seqs, num_heads, head_dim]; k, v [num_seqs, num_kv_heads, context_len, head_dim] (GQA: each
+    KV head serves num_heads // num_kv_heads query heads). Returns [num_seqs, num_heads, head_dim]."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)
+    return out[:, :, 0]
+
+
+def _time_ms(fn: Callable[[], object], device: str) -> float:
+    """Milliseconds per call: triton's do_bench on CUDA, else the best of 3 wall-clock runs (a CPU rehearsal)."""
+    if torch.device(device).type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn)
+    return best_time(fn, repeats=3, device=device) * 1e3
 
 
 def kernel_bandwidth(num_seqs: int = 32, context_len: int = 4096, num_heads: int = 32, num_kv_heads: int = 8,
                      head_dim: int = 128, block_size: int = 16, dtype: torch.dtype = torch.bfloat16,
-                     peak_bytes_per_s: Optional[float] = None, kv_cache_dtype: str = "auto") -> dict:
-    """Time one paged decode step (kernel and reference) on CUDA; return times, GB/s and the fraction of peak.
+                     peak_bytes_per_s: Optional[float] = None, kv_cache_dtype: str = "auto",
+                     baselines: Sequence[str] = ("gather",), device: str = "cuda") -> dict:
+    """Time one paged decode step, the kernel and each of baselines; return times, GB/s and the kernel's fraction of peak.
 
-    kv_cache_dtype "int8": int8 pools with their float32 scale pools, as LLM(kv_cache_dtype="int8") keeps them."""
-    import triton.testing
+    baselines: "gather" (reference_ms), "sdpa" (sdpa_ms, sdpa_gb_per_s; its contiguous cache holds the same
+    tokens in dtype, so for an int8 cache it reads about twice the bytes). kv_cache_dtype "int8": int8 pools
+    with their float32 scale pools, as LLM(kv_cache_dtype="int8") keeps them. device: "cuda"; a CPU rehearsal
+    passes "cpu" (the kernel then runs under TRITON_INTERPRET=1, or falls back to its reference)."""
+    import triton
 
     from minfer.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
 
+    unknown = set(baselines) - set(BASELINES)
+    if unknown:
+        raise ValueError(f"baselines must be among {BASELINES}, got {sorted(unknown)}")
     blocks_per_seq = triton.cdiv(context_len, block_size)
     num_blocks = num_seqs * blocks_per_seq
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     scales = {}
     if kv_cache_dtype == "int8":
-        k_pool = torch.randint(-127, 128, shape, dtype=torch.int8, device="cuda")
-        v_pool = torch.randint(-127, 128, shape, dtype=torch.int8, device="cuda")
-        scales = {"k_scales": torch.rand(shape[:3], device="cuda") / 127, "v_scales": torch.rand(shape[:3], device="cuda") / 127}
+        k_pool = torch.randint(-127, 128, shape, dtype=torch.int8, device=device)
+        v_pool = torch.randint(-127, 128, shape, dtype=torch.int8, device=device)
+        scales = {"k_scales": torch.rand(shape[:3], device=device) / 127, "v_scales": torch.rand(shape[:3], device=device) / 127}
     else:
-        k_pool = torch.randn(shape, dtype=dtype, device="cuda")
-        v_pool = torch.randn(shape, dtype=dtype, device="cuda")
+        k_pool = torch.randn(shape, dtype=dtype, device=device)
+        v_pool = torch.randn(shape, dtype=dtype, device=device)
     # Shuffled blocks, as after a while of serving: a sequence's pages are not neighbours in memory.
-    block_tables = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(num_seqs, blocks_per_seq)
-    context_lens = torch.full((num_seqs,), context_len, dtype=torch.int32, device="cuda")
-    q = torch.randn(num_seqs, num_heads, head_dim, dtype=dtype, device="cuda")
+    block_tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(num_seqs, blocks_per_seq)
+    context_lens = torch.full((num_seqs,), context_len, dtype=torch.int32, device=device)
+    q = torch.randn(num_seqs, num_heads, head_dim, dtype=dtype, device=device)
 
-    kernel_ms = triton.testing.do_bench(
-        lambda: paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, **scales))
-    reference_ms = triton.testing.do_bench(
-        lambda: paged_decode_attention_reference(q, k_pool, v_pool, block_tables, context_lens, **scales))
+    kernel_ms = _time_ms(lambda: paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, **scales), device)
     vector_bytes = head_dim * k_pool.element_size() + (4 if scales else 0)  # one (token, KV head) of K or V
     kv_bytes = 2 * num_seqs * context_len * num_kv_heads * vector_bytes
-    peak = peak_bytes_per_s or measure_memory_bandwidth(size_mb=1024, device="cuda")
+    peak = peak_bytes_per_s or measure_memory_bandwidth(size_mb=1024, device=device)
     achieved = kv_bytes / (kernel_ms / 1e3)
-    return {
+    row = {
         "num_seqs": num_seqs, "context_len": context_len, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
         "head_dim": head_dim, "block_size": block_size, "dtype": str(dtype).removeprefix("torch."),
-        "kv_cache_dtype": kv_cache_dtype,
-        "kv_mb": kv_bytes / 2**20, "kernel_ms": kernel_ms, "reference_ms": reference_ms,
+        "kv_cache_dtype": kv_cache_dtype, "kv_mb": kv_bytes / 2**20, "kernel_ms": kernel_ms,
         "kernel_gb_per_s": achieved / 1e9, "peak_gb_per_s": peak / 1e9, "bandwidth_fraction": achieved / peak,
     }
+    if "gather" in baselines:
+        row["reference_ms"] = _time_ms(
+            lambda: paged_decode_attention_reference(q, k_pool, v_pool, block_tables, context_lens, **scales), device)
+    if "sdpa" in baselines:
+        k, v = (contiguous_cache(pool, block_tables, context_len, scales.get(name), dtype)
+                for pool, name in ((k_pool, "k_scales"), (v_pool, "v_scales")))
+        row["sdpa_ms"] = _time_ms(lambda: sdpa_decode(q, k, v), device)
+        row["sdpa_gb_per_s"] = (k.nbytes + v.nbytes) / (row["sdpa_ms"] / 1e3) / 1e9
+    return row
 
 
 def quant_operands(n: int, k: int, rows: int, dtype: torch.dtype = torch.bfloat16, group_size: int = 64,
