@@ -9,11 +9,14 @@ from collections import Counter
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from minfer import LLM, SamplingParams
 from minfer.engine.engine import Engine
 from minfer.models.llama import LlamaModel
 from minfer.models.loader import load_model
+from minfer.outputs import RequestMetrics
+from minfer.sequence import Sequence
 from minfer.spec import DraftModelProposer, NgramProposer, Proposer, SpecDecodeStats, ngram_lookup, rejection_sample
 from minfer.spec.stats import alpha_from_mean_acceptance_length, expected_tokens_per_pass
 
@@ -430,3 +433,33 @@ def test_seeded_sampling_with_speculation_is_reproducible(tiny_small_vocab_dir):
     assert alone.outputs[0].token_ids != alone.outputs[1].token_ids
     assert all(len(o.token_ids) == 30 for o in alone.outputs)
     assert llm.engine.spec_stats.draft_acceptance_rate > 0.19  # measured 0.57 (36 of 63): 3x headroom
+
+
+class ScalarReads(TorchDispatchMode):
+    """Counts reads of one tensor element into Python (`int(t)`, `t.item()`): on a GPU each waits for the device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=20),
+                                    SamplingParams(temperature=0.8, top_k=20, max_tokens=20, seed=3)],
+                         ids=["greedy", "sampled"])
+def test_a_draft_pass_reads_no_token_into_python_until_it_ends(tiny_small_vocab_dir, params):
+    """The draft's k forward passes chain on the device: its guesses reach the host once, after the pass."""
+    llm = tiny_llm(tiny_small_vocab_dir)
+    proposer = DraftModelProposer(llm.model, VOCAB)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    seq = Sequence(prompt, params, params.max_tokens, 3, RequestMetrics(0.0, num_prompt_tokens=len(prompt)))
+    with ScalarReads() as reads:
+        (drafts, probs), = proposer.propose([seq], [5])
+    assert reads.count == 0 and len(drafts) == 5
+    assert probs is None if params.greedy else probs.shape == (5, VOCAB)
+    if params.greedy:  # the target as its own draft guesses exactly what it would decode
+        plain = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
+        assert drafts == plain[:5]

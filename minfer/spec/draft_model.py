@@ -25,7 +25,7 @@ import weakref
 import torch
 
 from minfer.kv_cache import KVCache
-from minfer.layers.sampler import sample_from
+from minfer.layers.sampler import draw
 from minfer.models.llama import LlamaModel
 from minfer.sequence import Sequence
 from minfer.spec.proposer import Proposal, Proposer
@@ -46,6 +46,8 @@ class DraftModelProposer(Proposer):
         return [self._propose_one(seq, k) for seq, k in zip(seqs, num_tokens)]
 
     def _propose_one(self, seq: Sequence, k: int) -> Proposal:
+        if k == 0:
+            return [], None
         if seq not in self.state:
             weight = self.model.embed_tokens.weight
             max_len = len(seq.prompt_token_ids) + seq.max_tokens  # drafts never reach past the last position
@@ -61,27 +63,31 @@ class DraftModelProposer(Proposer):
             common += 1
         cache.length = common  # roll back: what lies beyond will be overwritten
         del held[common:]
-        feed, drafts, probs = tokens[common:], [], []
+        device = self.model.embed_tokens.weight.device
+        feed = torch.tensor(tokens[common:], device=device)
+        drafts, probs = [], []
+        # The drafts stay on the device until the pass ends: one transfer to the host per pass, not one
+        # per token, so that a GPU never waits for the host between the draft's k forward passes.
         for i in range(k):
-            logits = self._forward(cache, held, feed)
+            logits = self._forward(cache, feed)
             if seq.params.greedy:
-                token = int(logits.argmax())
+                token = logits.argmax(dim=-1, keepdim=True)
             else:
-                q = processed_probs(logits[None], seq.params)[0].cpu()
-                token = sample_from(q[None], [seq.generator])[0]
+                q = processed_probs(logits[None], seq.params)[0]
+                token = draw(q[None], torch.rand(1, generator=seq.generator).to(device))
                 probs.append(q)
             drafts.append(token)
-            feed = [token]  # the last draft is never fed: its KV is only needed once it is accepted
-        return drafts, (torch.stack(probs) if probs else None)
+            feed = token  # the last draft is never fed: its KV is only needed once it is accepted
+        draft_ids = torch.cat(drafts).tolist()
+        held.extend(tokens[common:] + draft_ids[:-1])
+        return draft_ids, (torch.stack(probs) if probs else None)
 
-    def _forward(self, cache: KVCache, held: list[int], feed: list[int]) -> torch.Tensor:
-        """Run the new tokens through the draft; the logits [vocab] after the last one."""
-        device = self.model.embed_tokens.weight.device
-        positions = torch.arange(cache.length, cache.length + len(feed), device=device)
-        logits = self.model(torch.tensor([feed], device=device), positions[None], kv_cache=cache)[0, -1]
-        held.extend(feed)
+    def _forward(self, cache: KVCache, feed: torch.Tensor) -> torch.Tensor:
+        """Run the new tokens [n] through the draft; the logits [vocab] after the last one."""
+        positions = torch.arange(cache.length, cache.length + len(feed), device=feed.device)
+        logits = self.model(feed[None], positions[None], kv_cache=cache)[0, -1]
         if self.head_token_ids is None:
             return logits
         full = logits.new_full((self.vocab_size,), float("-inf"))
-        full[self.head_token_ids.to(device)] = logits
+        full[self.head_token_ids.to(feed.device)] = logits
         return full
