@@ -163,6 +163,11 @@ def test_mbu_is_weight_bytes_per_step_over_bandwidth():
     assert bm.Timing("minfer", "float32", 4, 0.1, 0.02, 10).decode_tokens_per_s == pytest.approx(200)  # 4 rows / 20 ms
 
 
+def test_decode_kv_bytes_is_the_mean_context_of_the_decode_steps():
+    # prompts of 4, 3 new tokens: the decode steps attend over 5 and 6 tokens
+    assert bm.decode_kv_bytes(10, batch=2, prompt_tokens=4, new_tokens=3) == 2 * (5 + 6) / 2 * 10
+
+
 def test_best_of_keeps_the_fastest():
     runs = [bm.Timing("minfer", "float32", 1, 0.3, 0.02, 4), bm.Timing("minfer", "float32", 1, 0.1, 0.03, 4)]
     best = bm.best_of(runs)

@@ -116,6 +116,16 @@ def test_prefix_cases(tiny_llm):
     assert after["hit_rate"] == 0 and after["prefill_tokens_computed"] == after["prompt_tokens"]
 
 
+@pytest.mark.slow
+def test_prefix_experiment_times_warm_cases_and_reports_the_cold_request_apart(tiny_llm):
+    result = sb.run_prefix_experiment(tiny_llm, num_requests=2, system_tokens=32, max_tokens=2, passage_tokens=8,
+                                      num_passages=2, max_num_seqs=2)
+    assert [r["case"] for r in result["rows"]][:2] == ["shared first, no prefix caching", "shared first, prefix caching"]
+    assert result["cold"]["requests"] == 1 and result["cold"]["prefix_caching"] is False
+    stored = json.loads((Path(__file__).resolve().parents[1] / "docs" / "serving.json").read_text())
+    assert "cold and alone" in sb.format_markdown({**stored, "prefix": result})
+
+
 def test_update_docs_section_keeps_other_sections(tmp_path):
     page = tmp_path / "b.md"
     page.write_text("# Benchmarks\n\n<!-- bench_generate:start -->\nold gen\n<!-- bench_generate:end -->\n")

@@ -80,13 +80,25 @@ class Timing:
         return d
 
 
-def model_bandwidth_utilisation(weight_bytes_per_step: int, tpot_s: float, bandwidth: float) -> float:
-    """Share of the memory bandwidth one decode step uses to read the weights.
+def model_bandwidth_utilisation(bytes_per_step: int, tpot_s: float, bandwidth: float) -> float:
+    """Share of the memory bandwidth one decode step uses to read its bytes.
 
     Every step reads all weights once, whatever the batch size, so the step time (TPOT) is what
-    counts: at batch 1 this equals weight bytes x tokens/s / bandwidth.
+    counts: at batch 1 this equals weight bytes x tokens/s / bandwidth. Pass the weights alone, or
+    the weights plus the K/V the step reads (`decode_kv_bytes`): at large batches the K/V can
+    outweigh the weights.
     """
-    return weight_bytes_per_step / tpot_s / bandwidth
+    return bytes_per_step / tpot_s / bandwidth
+
+
+def decode_kv_bytes(kv_bytes_per_token: int, batch: int, prompt_tokens: int, new_tokens: int) -> float:
+    """K/V bytes an average decode step reads while `batch` sequences each generate `new_tokens` after their prompts.
+
+    The prefill makes the first new token; decode step j (1 to new_tokens - 1) attends over
+    prompt_tokens + j tokens per sequence, so the mean context is prompt_tokens + new_tokens / 2.
+    """
+    mean_context = prompt_tokens + new_tokens / 2
+    return batch * mean_context * kv_bytes_per_token
 
 
 # --------------------------------------------------------------------------- the hardware side
