@@ -10,6 +10,7 @@ from minfer import LLM, SamplingParams
 from minfer.models.loader import load_model
 from minfer.quant.checkpoint import (add_quantize_arguments, build_quantized_model, quantize_checkpoint, run_quantize,
                                      save_quantized)
+from minfer.quant.schemes import SCHEMES
 
 PROMPTS = ["The capital of France is", "def add(a, b):"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -19,7 +20,7 @@ def greedy_tokens(llm: LLM) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("method", ["int8", "int4", "awq", "gptq"])
+@pytest.mark.parametrize("method", list(SCHEMES))  # every scheme saves and loads
 def test_round_trip_is_bit_identical_with_the_same_greedy_tokens(tiny_dir, tmp_path, method):
     out = quantize_checkpoint(tiny_dir, method, str(tmp_path / "ckpt"), group_size=None if method == "int8" else 32)
     config = json.loads((tmp_path / "ckpt" / "config.json").read_text())["quantization_config"]
@@ -57,7 +58,7 @@ def test_real_model_int4_checkpoint_loads_to_the_same_greedy_tokens(tmp_path):
 
 
 def test_bad_arguments_name_what_is_allowed(tiny_dir, tmp_path):
-    with pytest.raises(ValueError, match=r"unknown method 'fp4'.*'gptq'"):
+    with pytest.raises(ValueError, match=r"unknown quantization method 'fp4'.*'gptq'.*'nf4'"):
         quantize_checkpoint(tiny_dir, "fp4", str(tmp_path / "a"))
     with pytest.raises(ValueError, match=r"must be one of \[32, 64\]"):
         quantize_checkpoint(tiny_dir, "gptq", str(tmp_path / "b"), group_size=128)
@@ -84,7 +85,9 @@ def int4_checkpoint(tiny_dir, tmp_path_factory) -> str:
     ({"quant_method": "gptq"}, "only its own quantized layout"),
     ({"group_size": 48}, r"group_size must be one of \[32, 64\]"),
     ({"bits": 8}, "must read"),
-    ({"method": "nf4"}, r"method must be one of \('int8', 'int4', 'awq', 'gptq'\)"),
+    ({"method": "fp4"}, r"method must be one of \('int8', 'int4', 'awq', 'gptq', 'nf4'\)"),
+    ({"method": "nf4"}, r"'nf4' quantization_config must read .*'sym': True"),
+    ({"method": "int8"}, r"'int8' quantization_config must read .*'group_size': None"),
     ({"extra": 1}, "exactly the keys"),
 ])
 def test_malformed_quantization_config_is_refused(int4_checkpoint, tmp_path, change, message):

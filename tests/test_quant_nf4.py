@@ -1,4 +1,5 @@
-"""NF4 (minfer/formats/nf4.py, minfer/quant/nf4.py): QLoRA's table, the round-trip bound, the layer, bad arguments."""
+"""NF4 (minfer/formats/nf4.py, minfer/quant/nf4.py): QLoRA's table, the round-trip bound, the layer, bad arguments,
+its checkpoint."""
 import pytest
 import torch
 
@@ -89,10 +90,22 @@ def test_nf4_model_matches_its_dequantized_weights(tiny_dir):
     assert len(out.outputs[0].token_ids) == 4
 
 
-def test_nf4_bad_arguments_and_no_checkpoint(tiny_dir, tmp_path):
+def test_nf4_bad_arguments(tiny_dir):
     with pytest.raises(ValueError, match="group_size must be one of"):
         LLM(tiny_dir, quantization="nf4", quantization_group_size=48)
-    llm = LLM(tiny_dir, dtype="float32")
-    quantize_model(llm.model, "nf4", 32)
-    with pytest.raises(ValueError, match="cannot be saved yet"):
-        save_quantized(llm.model, str(tmp_path / "out"), llm.tokenizer)
+
+
+def test_nf4_checkpoint_loads_to_identical_logits(tiny_dir, tmp_path):
+    from minfer.models.loader import load_model
+    from minfer.quant.checkpoint import build_quantized_model
+
+    llm = LLM(tiny_dir, dtype="float32", quantization="nf4", quantization_group_size=32)
+    save_quantized(llm, str(tmp_path / "nf4"))
+    reloaded = build_quantized_model(load_model(str(tmp_path / "nf4")))
+    layer = reloaded.layers[1].mlp.down_proj
+    assert isinstance(layer, Nf4Linear) and layer.block_size == 32
+    ids = torch.arange(3, 40)[None]
+    positions = torch.arange(ids.shape[1])[None]
+    expected = llm.model(ids, positions, last_only=False)
+    assert torch.equal(reloaded(ids, positions, last_only=False), expected)
+    assert LLM(str(tmp_path / "nf4")).model.quantization == llm.model.quantization

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from minfer.config import GROUPED_METHODS, EngineConfig, ModelConfig, allowed_group_sizes
+from minfer.config import EngineConfig, ModelConfig, allowed_group_sizes
 from minfer.engine.model_runner import ModelRunner, PreparedStep, profile_forward
 from minfer.engine.paged_kv import KVPool, PagedStep
 from minfer.layers.attention import get_attention_fn
@@ -60,6 +60,7 @@ from minfer.layers.linear import pack_linears
 from minfer.layers.parallel_linear import CommStats, shard_model_config, shard_weights, wrap_row_parallel
 from minfer.models.llama import LlamaModel
 from minfer.quant.linear import quantize_model, resolve_group_size
+from minfer.quant.schemes import get_scheme
 from minfer.sequence import Sequence
 
 TIMEOUT = timedelta(minutes=5)  # a collective that waits this long means a rank died
@@ -69,9 +70,10 @@ def check_tensor_parallel(config: EngineConfig, model_config: ModelConfig, atten
     """Everything that N > 1 cannot serve, refused before a process starts."""
     n = config.tensor_parallel_size
     shard = shard_model_config(model_config, n)  # divisibility, mixture of experts
+    scheme = get_scheme(config.quantization) if config.quantization is not None else None
     refused = {"speculative decoding (speculative_model)": config.speculative_model is not None,
                f"quantization={config.quantization!r} (its calibration runs the whole model; use 'int8' or 'int4')":
-                   config.quantization in ("awq", "gptq"),
+                   scheme is not None and scheme.calibrated,
                "a saved quantized checkpoint (load the float checkpoint with quantization='int8' or 'int4')":
                    quantized_checkpoint,
                "enforce_eager=False (compiled decode)": config.enforce_eager is False,
@@ -79,7 +81,7 @@ def check_tensor_parallel(config: EngineConfig, model_config: ModelConfig, atten
     for what, hit in refused.items():
         if hit:
             raise ValueError(f"tensor_parallel_size={n} does not support {what}")
-    if config.quantization in GROUPED_METHODS:
+    if scheme is not None and scheme.grouped:
         group = resolve_group_size(model_config, config.quantization_group_size)
         if group not in allowed_group_sizes(shard):
             raise ValueError(f"{config.quantization} group size {group} does not divide a shard's input sizes with tensor_parallel_size="
@@ -110,7 +112,7 @@ class TensorParallelWorkers:
     def __init__(self, loaded, config: EngineConfig, attention: str) -> None:
         n = config.tensor_parallel_size
         shard_config = shard_model_config(loaded.config, n)
-        grouped = config.quantization in GROUPED_METHODS
+        grouped = config.quantization is not None and get_scheme(config.quantization).grouped
         group_size = resolve_group_size(loaded.config, config.quantization_group_size) if grouped else None
         self.device = torch.device("cuda", 0) if config.device.type == "cuda" else config.device
         backend = "nccl" if self.device.type == "cuda" else "gloo"

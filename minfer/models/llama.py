@@ -108,6 +108,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    # The layer's weight matrices, (block, name), in the order they run: what quantization replaces
+    # (`minfer.quant`) and what its calibration captures the inputs of. A sparse layer's experts are
+    # stacked tensors, not matrices of their own (`minfer.models.moe`).
+    LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -1,6 +1,8 @@
 """Quantization: put smaller number formats into a loaded model, each module one job.
 
-    linear.py      Int8Linear / Int4Linear, quantize_model, and byte counts
+    schemes.py     the schemes (int8, int4, awq, gptq, nf4), one class each: quantize, stored layout, load
+    linear.py      quantize_model, which puts a scheme's layers into a model, and byte counts
+    int_linear.py  Int8Linear / Int4Linear, and which matmul backend runs them
     torch_ops.py   PyTorch's own CPU kernels for the formats, and the layout they need
     awq.py         activation-aware scales for int4 (AWQ's idea), folded into the float model
     gptq.py        GPTQ: int4 codes that make up for each other's rounding errors, layer by layer

@@ -63,15 +63,14 @@ import torch
 from torch import nn
 
 from minfer.formats.weights import quantize_int4_groupwise
+from minfer.models.llama import DecoderLayer
 from minfer.texts import calibration_token_ids  # noqa: F401  (the chapters 06, 06b and 10 notebooks import it from here)
 
 CALIBRATION_WINDOW = 512
 ERROR_TOKENS = 512  # the output error is measured on this many of the calibration tokens (speed)
 ALPHAS = tuple(i / 10 for i in range(10))  # 0 is plain rounding: the search never does worse on calibration data
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # 1.0 is no clipping
-LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-# (block, name) of the four matrices of a decoder layer, in the order they run
-LAYER_LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+LINEARS = tuple(name for _, name in DecoderLayer.LINEARS)  # the matrices a decoder layer declares
 # Which matrices get clipped. Clipping lowers each matrix's own output error on the calibration
 # text, but that error is only a proxy for what the model loses: on SmolLM2-135M, clipping o_proj
 # alone raised perplexity (+0.6% -> +2.3%), yet clipping all four matrices or only the MLP's came
@@ -153,15 +152,15 @@ def _divide_rows(linear: nn.Linear, rows: slice, s: torch.Tensor) -> None:
 
 
 def _capture_inputs(layer: nn.Module) -> tuple[dict, list]:
-    """Forward pre-hooks that keep the input of each of the layer's four linears, as float32 [tokens, in]."""
+    """Forward pre-hooks that keep the input of each of the layer's linears, as float32 [tokens, in]."""
     inputs: dict[str, torch.Tensor] = {}
     hooks = []
-    for block in (layer.self_attn, layer.mlp):
-        for name in LINEARS:
-            if hasattr(block, name):
-                def keep(module, args, name=name):
-                    inputs[name] = args[0].detach().float().flatten(0, -2)
-                hooks.append(getattr(block, name).register_forward_pre_hook(keep))
+    for block_name, name in layer.LINEARS:
+        block = getattr(layer, block_name)
+        if hasattr(block, name):  # a sparse layer's experts are no linears of their own
+            def keep(module, args, name=name):
+                inputs[name] = args[0].detach().float().flatten(0, -2)
+            hooks.append(getattr(block, name).register_forward_pre_hook(keep))
     return inputs, hooks
 
 

@@ -12,18 +12,25 @@ stay fused: ``qkv_proj`` is q, k and v stacked by rows, ``gate_up_proj`` gate an
   ``.qweight`` uint8 [out, in / 2] (input column 2i in the low nibble, 2i + 1 in the high),
   ``.scale`` float16 [out, in / group_size], ``.minimum`` float16 [same]; the weight is
   ``q * scale + minimum`` per group of group_size consecutive inputs (``minfer.formats.weights``).
+- NF4 matrix (method "nf4"): ``.qweight`` uint8 [out, in / 2] (indices into NF4's 16 levels,
+  packed as int4's), ``.absmax`` float16 [out, in / group_size]; the weight is
+  ``NF4_LEVELS[q] * absmax`` per block (``minfer.formats.nf4``).
 - int8 matrix (method "int8", and the output head ``lm_head`` of every method):
   ``.qweight`` int8 [out, in], ``.scale`` float32 [out]; the weight is ``q * scale`` per row.
 - everything else (embedding, norms, biases such as ``model.layers.0.self_attn.qkv_proj.bias``)
   in the dtype the model was quantized in.
+
+Each scheme of ``minfer.quant.schemes`` declares its tensors (``QuantScheme.layout``); saving
+writes the quantized layers' buffers, loading checks every tensor against that layout.
 
 ``config.json`` is the model's config plus::
 
     "quantization_config": {"quant_method": "minfer", "format_version": 1, "method": "gptq",
                             "bits": 4, "group_size": 64, "sym": false, "desc_act": false, "head": "int8"}
 
-(int8: ``"bits": 8, "group_size": null, "sym": true``; ``"head": null`` when lm_head stayed float),
-checked on load by ``minfer.models.quantization_config``.
+(int8: ``"bits": 8, "group_size": null, "sym": true``; nf4: ``"bits": 4, "sym": true``; ``"head": null``
+when lm_head stayed float),
+checked on load by ``minfer.models.quantization_config`` and by the method's scheme.
 
 Why not GPTQ's layout (``qweight``/``qzeros``/``scales``/``g_idx``, read by transformers and vLLM)
 --------------------------------------------------------------------------------------------------
@@ -45,18 +52,20 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 import torch
 from torch import nn
 
-from minfer.config import DTYPES, INT4_METHODS
+from minfer.config import DTYPES
 from minfer.models.llama import LlamaModel
 from minfer.models.loader import LoadedModel, load_model, save_hf_checkpoint
-from minfer.models.quantization_config import QUANT_METHOD, SAVED_METHODS, is_quantized_tensor, quantization_config
-from minfer.quant.awq import LAYER_LINEARS
-from minfer.quant.linear import CALIBRATED_METHODS, Int4Linear, Int8Linear, quantize_model, resolve_backend
+from minfer.models.quantization_config import QUANT_METHOD, is_quantized_tensor
+from minfer.quant.int_linear import resolve_backend
+from minfer.quant.linear import quantize_model
+from minfer.quant.schemes import HEAD_SCHEME, SCHEMES, QuantScheme, get_scheme
 from minfer.texts import calibration_token_ids
+
 
 def save_quantized(llm_or_model: Union[object, nn.Module], out_dir: str, tokenizer=None,
                    eos_token_ids: tuple[int, ...] = ()) -> str:
@@ -75,21 +84,20 @@ def save_quantized(llm_or_model: Union[object, nn.Module], out_dir: str, tokeniz
     how = getattr(model, "quantization", None)  # recorded by quantize_model
     if how is None:
         raise ValueError("this model is not quantized: quantize it first (quantize_model, or LLM(..., quantization=...))")
-    if how["method"] not in SAVED_METHODS:
-        raise ValueError(f"checkpoints of method {how['method']!r} cannot be saved yet: only {SAVED_METHODS}")
-    repacked = [name for name, m in model.named_modules() if isinstance(m, Int4Linear) and m.backend == "torch"]
-    if repacked:
-        raise ValueError(f"{repacked[0]} (and {len(repacked) - 1} more) hold PyTorch's CPU-kernel layout, whose "
-                         "bfloat16 scales cannot be saved exactly: quantize with backend='reference' "
-                         "(quantize_checkpoint or `python -m minfer quantize` does)")
+    scheme = get_scheme(how["method"])
+    unsavable = [(prefix, why) for prefix, layer_scheme, layer in quantized_matrices(model, scheme, how["head"])
+                 if (why := layer_scheme.unsavable(layer))]
+    if unsavable:
+        prefix, why = unsavable[0]
+        raise ValueError(f"{prefix} (and {len(unsavable) - 1} more) cannot be saved: it {why}")
     _check_out_dir(out_dir)
     tensors = {}
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue  # a float tied head is the embedding
         tensors[name if name.startswith("lm_head.") else "model." + name] = tensor
-    save_hf_checkpoint(LoadedModel(model.config, tensors, tokenizer, out_dir, quantization_config(**how),
-                                   tuple(eos_token_ids)), out_dir)
+    entry = scheme.config_entry(how["group_size"], how["head"], how["desc_act"])
+    save_hf_checkpoint(LoadedModel(model.config, tensors, tokenizer, out_dir, entry, tuple(eos_token_ids)), out_dir)
     return out_dir
 
 
@@ -107,43 +115,31 @@ def _is_quantized_checkpoint(folder: Path) -> bool:
         return False
 
 
-def stored_layout(out_features: int, in_features: int, group_size: Optional[int]) -> dict[str, tuple[tuple, torch.dtype]]:
-    """The tensors a quantized matrix is saved as, {suffix: (shape, dtype)}: int4 with a group size, else int8."""
-    if group_size is None:
-        return {"qweight": ((out_features, in_features), torch.int8), "scale": ((out_features,), torch.float32)}
-    groups = (out_features, in_features // group_size)
-    return {"qweight": ((out_features, in_features // 2), torch.uint8), "scale": (groups, torch.float16),
-            "minimum": (groups, torch.float16)}
+def quantized_matrices(model: nn.Module, scheme: QuantScheme,
+                       head: Optional[str]) -> Iterator[tuple[str, QuantScheme, nn.Module]]:
+    """(checkpoint name prefix, its scheme, the layer) of every quantized matrix: each decoder layer's, then the head."""
+    for i, layer in enumerate(model.layers):
+        for block_name, name in layer.LINEARS:
+            yield f"model.layers.{i}.{block_name}.{name}", scheme, getattr(getattr(layer, block_name), name)
+    if head == "int8":
+        yield "lm_head", HEAD_SCHEME, model.lm_head
 
 
 def build_quantized_model(loaded: LoadedModel, dtype: torch.dtype = torch.float32,
                           device: Union[str, torch.device] = "cpu", backend: str = "auto") -> LlamaModel:
     """The model of a quantized checkpoint (`load_model` of its folder), its quantized layers as stored."""
     entry, weights = loaded.quantization, dict(loaded.weights)
+    scheme = get_scheme(entry["method"])
+    expected_entry = scheme.config_entry(entry["group_size"], entry["head"], entry["desc_act"])
+    if entry != expected_entry:
+        raise ValueError(f"{loaded.path}: a {entry['method']!r} quantization_config must read {expected_entry} "
+                         f"(head 'int8' or null, desc_act true or false), got {entry}")
     model = LlamaModel.empty(loaded.config, dtype, device)
     resolve_backend(backend, torch.device(device))  # a bad backend fails before any layer is built
-    matrices = [(layer, block_name, name, f"model.layers.{i}.{block_name}.{name}")
-                for i, layer in enumerate(model.layers) for block_name, name in LAYER_LINEARS]
-    if entry["head"] == "int8":
-        matrices.append((model, None, "lm_head", "lm_head"))
-    int4 = entry["method"] in INT4_METHODS
-    for parent, block_name, name, prefix in matrices:
-        owner = getattr(parent, block_name) if block_name else parent
-        float_layer = getattr(owner, name)
-        expected = stored_layout(float_layer.out_features, float_layer.in_features,
-                                 entry["group_size"] if int4 and block_name else None)
-        try:  # copied: safetensors' tensors can start at addresses PyTorch's int8/int4 CPU kernels cannot read
-            stored = [weights.pop(f"{prefix}.{part}").to(device, copy=True) for part in expected]
-        except KeyError as exc:
-            raise ValueError(f"{loaded.path}: the checkpoint is missing {exc.args[0]}") from exc
-        for (part, (shape, stored_dtype)), tensor in zip(expected.items(), stored):
-            if tuple(tensor.shape) != shape or tensor.dtype != stored_dtype:
-                raise ValueError(f"{loaded.path}: {prefix}.{part} is {tensor.dtype} {tuple(tensor.shape)}, expected "
-                                 f"{stored_dtype} {shape} for this model's config and quantization_config")
-        bias = float_layer.bias
-        quantized = (Int4Linear.from_packed(*stored, bias, backend) if int4 and block_name
-                     else Int8Linear(*stored, bias, backend))
-        setattr(owner, name, quantized)
+    for prefix, layer_scheme, float_layer in list(quantized_matrices(model, scheme, entry["head"])):
+        layout = layer_scheme.layout(float_layer.out_features, float_layer.in_features, entry["group_size"])
+        tensors = _stored_tensors(loaded.path, weights, prefix, layout, device)
+        _replace(model, prefix, layer_scheme.load(tensors, float_layer.bias, backend))
     leftover = [name for name in weights if is_quantized_tensor(name)]
     if leftover:
         raise ValueError(f"{loaded.path}: unexpected quantized tensors {leftover[:3]} for its quantization_config")
@@ -152,17 +148,36 @@ def build_quantized_model(loaded: LoadedModel, dtype: torch.dtype = torch.float3
     return model
 
 
+def _stored_tensors(path: str, weights: dict, prefix: str, layout: dict, device) -> dict[str, torch.Tensor]:
+    """One matrix's tensors, popped from weights and checked against its scheme's layout."""
+    try:  # copied: safetensors' tensors can start at addresses PyTorch's int8/int4 CPU kernels cannot read
+        stored = {part: weights.pop(f"{prefix}.{part}").to(device, copy=True) for part in layout}
+    except KeyError as exc:
+        raise ValueError(f"{path}: the checkpoint is missing {exc.args[0]}") from exc
+    for part, (shape, stored_dtype) in layout.items():
+        tensor = stored[part]
+        if tuple(tensor.shape) != shape or tensor.dtype != stored_dtype:
+            raise ValueError(f"{path}: {prefix}.{part} is {tensor.dtype} {tuple(tensor.shape)}, expected "
+                             f"{stored_dtype} {shape} for this model's config and quantization_config")
+    return stored
+
+
+def _replace(model: nn.Module, prefix: str, layer: nn.Module) -> None:
+    """Put layer where the checkpoint name prefix says (model.layers.0.mlp.down_proj, lm_head)."""
+    parent_name, _, name = prefix.removeprefix("model.").rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, name, layer)
+
+
 def quantize_checkpoint(model: str, method: str, out_dir: str, group_size: Optional[int] = None,
                         dtype: torch.dtype = torch.float32) -> str:
     """Load `model`, quantize it (calibration text as LLM(..., quantization=method) uses) and save it to out_dir."""
-    if method not in SAVED_METHODS:
-        raise ValueError(f"unknown method {method!r} for a saved checkpoint: use one of {SAVED_METHODS}")
+    scheme = get_scheme(method)
     _check_out_dir(out_dir)
     loaded = load_model(model, dtype)
     if loaded.quantization is not None:
         raise ValueError(f"{model!r} is already a quantized checkpoint: quantize the float model")
     net = LlamaModel.from_weights(loaded.config, loaded.weights, dtype, "cpu")
-    calibration = calibration_token_ids(loaded.tokenizer) if method in CALIBRATED_METHODS else None
+    calibration = calibration_token_ids(loaded.tokenizer) if scheme.calibrated else None
     quantize_model(net, method, group_size, backend="reference", calibration_token_ids=calibration)
     return save_quantized(net, out_dir, loaded.tokenizer, loaded.eos_token_ids)
 
@@ -170,11 +185,12 @@ def quantize_checkpoint(model: str, method: str, out_dir: str, group_size: Optio
 def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of `python -m minfer quantize`."""
     parser.add_argument("model", help="model name, .gguf file or Hugging Face directory (the float model)")
-    parser.add_argument("--method", required=True, choices=SAVED_METHODS,
-                        help="int8 per channel, int4 round-to-nearest, awq or gptq (int4 with calibration)")
+    parser.add_argument("--method", required=True, choices=tuple(SCHEMES),
+                        help="int8 per channel, int4 round-to-nearest, awq or gptq (int4 with calibration), "
+                             "nf4 (4-bit NormalFloat)")
     parser.add_argument("--out", required=True, help="the folder to write (new, or a minfer checkpoint to replace)")
     parser.add_argument("--group-size", type=int, default=None,
-                        help="int4 group size (32, 64 or 128; default the largest that divides the model's sizes)")
+                        help="int4/nf4 group size (32, 64 or 128; default the largest that divides the model's sizes)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
                         help="the dtype to quantize in, and of the float tensors saved (default float32)")
 

@@ -80,7 +80,7 @@ from torch import nn
 
 from minfer.formats.weights import (check_group_size, dequantize_int4, pack_int4, quantize_int4_groupwise,
                                    round_to_int4_grid)
-from minfer.quant.awq import LAYER_LINEARS, _capture_inputs, calibration_batch, run_layer
+from minfer.quant.awq import _capture_inputs, calibration_batch, run_layer
 
 BLOCK_SIZE = 128  # columns per lazy batch
 DAMPING = 0.01  # fraction of the mean diagonal of H added to its diagonal
@@ -167,7 +167,7 @@ def apply_gptq(model: nn.Module, token_ids: Sequence[int], group_size: int, desc
     x, rope = calibration_batch(model, token_ids, window)
     codes = {}
     for i, layer in enumerate(model.layers):
-        for block_name, name in LAYER_LINEARS:
+        for block_name, name in layer.LINEARS:
             inputs, hooks = _capture_inputs(layer)
             run_layer(model, i, x, rope)  # the matrices before this one are already quantized
             for hook in hooks:

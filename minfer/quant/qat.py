@@ -40,12 +40,13 @@ from torch import nn
 
 from minfer.evaluate import context_windows
 from minfer.layers.linear import bf16_autocast, linear_like
-from minfer.quant.awq import LAYER_LINEARS, fake_quantize_int4
+from minfer.models.llama import DecoderLayer
+from minfer.quant.awq import fake_quantize_int4
 from minfer.spec.distill import distillation_loss, final_hidden, run_training
 from minfer.texts import EVAL_TOPICS, eval_text
 
 QAT_GROUP_SIZE = 64
-LINEAR_NAMES = tuple(name for _, name in LAYER_LINEARS)
+LINEAR_NAMES = tuple(name for _, name in DecoderLayer.LINEARS)
 SHARED_LINE_CHARS = 60  # a training topic sharing a line this long with the evaluation text is left out
 
 
@@ -95,7 +96,7 @@ class FakeQuantLinear(nn.Module):
 
 def _linears(model: nn.Module):
     for i, layer in enumerate(model.layers):
-        for block_name, name in LAYER_LINEARS:
+        for block_name, name in layer.LINEARS:
             yield i, getattr(layer, block_name), name
 
 
