@@ -1,7 +1,8 @@
 """Chapter 06b: post-training quantization (GPTQ) and quantization-aware training, and NF4.
 
-Fill in each function (replace `raise NotImplementedError`), then run `check("ch06b")` in the
-notebook. Work in float32 (float64 where a test passes it); every function takes and returns torch tensors.
+Fill in each function (replace `raise NotImplementedError`); the notebook's cells compare each one with
+minfer's as soon as it is written, and `check("ch06b")` runs the chapter's tests. Work in float32 (float64
+where a test passes it); every function takes and returns torch tensors.
 """
 from __future__ import annotations
 
