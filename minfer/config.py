@@ -12,6 +12,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from minfer.formats.hardware import auto_dtype, check_dtype_supported, check_fp8_supported
 from minfer.formats.kv import check_kv_cache_dtype, kv_vector_bytes
 from minfer.formats.weights import INT4_GROUP_SIZES
 
@@ -19,7 +20,7 @@ DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bf
           "float16": torch.float16, "half": torch.float16}
 # awq, gptq: int4 with activation-aware scales (minfer.quant.awq), with GPTQ's codes (minfer.quant.gptq)
 # nf4: QLoRA's 4-bit NormalFloat, an absmax per block of quantization_group_size inputs (minfer.formats.nf4)
-QUANTIZATION_METHODS = ("int8", "int4", "awq", "gptq", "nf4")
+QUANTIZATION_METHODS = ("int8", "int4", "awq", "gptq", "nf4", "fp8")
 INT4_METHODS = ("int4", "awq", "gptq")
 GROUPED_METHODS = INT4_METHODS + ("nf4",)  # the methods quantization_group_size applies to
 MAX_SPECULATIVE_TOKENS = 16
@@ -125,13 +126,14 @@ class EngineConfig:
     """Every argument of `LLM` and the serving engine, under vLLM's names, checked in one place.
 
     Model: model (a name such as 'smollm2-135m', a .gguf file or a Hugging Face directory), dtype
-    ('auto' | 'float32' | 'bfloat16' | 'float16'; auto: bfloat16 on CUDA, float32 on CPU), device
+    ('auto' | 'float32' | 'bfloat16' | 'float16'; auto: bfloat16 on a GPU from sm_80 on, float16 on an older
+    one such as a T4, float32 on CPU; see `minfer.formats.hardware`), device
     ('auto' | 'cpu' | 'cuda'), seed (for requests that bring no seed), max_model_len (the context
-    window; default the model's). quantization None | 'int8' | 'int4' | 'awq' | 'gptq' | 'nf4' and
+    window; default the model's). quantization None | 'int8' | 'int4' | 'awq' | 'gptq' | 'nf4' | 'fp8' and
     quantization_group_size (int4 and nf4 only: 32, 64 or 128; see `minfer.quant.linear`).
 
     KV cache: block_size (tokens per block), kv_cache_dtype ('auto' = the model's dtype, 'int8', or
-    'fp8' = 'fp8_e4m3'; see `minfer.formats.kv`),
+    'fp8' = 'fp8_e4m3', on a GPU from sm_89 on or the CPU; see `minfer.formats.kv`),
     and the pool's size: num_gpu_blocks_override (blocks, on any device), else kv_cache_memory_bytes,
     else on CUDA gpu_memory_utilization x device memory minus what is in use, on CPU 1 GiB.
 
@@ -217,6 +219,8 @@ class EngineConfig:
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)  # "fp8_e4m3" becomes "fp8"
+        if self.kv_cache_dtype == "fp8":
+            check_fp8_supported(self.device)
         if not isinstance(self.bucket_step_shapes, bool):
             raise ValueError(f"bucket_step_shapes must be True or False, got {self.bucket_step_shapes!r}")
         if self.enforce_eager not in (None, True, False):
@@ -354,16 +358,17 @@ def resolve_device(device: Union[str, torch.device]) -> torch.device:
 
 
 def resolve_dtype(dtype: Union[str, torch.dtype], device: torch.device) -> torch.dtype:
+    if dtype == "auto":  # bfloat16 where the GPU computes in it, float16 on an older GPU; float32 on CPU, for exactness
+        return auto_dtype(device)
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
             raise ValueError(f"dtype {dtype} is not one minfer runs in: use torch.float32, torch.bfloat16 or torch.float16 "
                              "(or 'auto')")
-        return dtype
-    if dtype == "auto":  # bfloat16 where the hardware is made for it; float32 on CPU, for exactness
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
+    elif dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}: use 'auto', 'float32', 'bfloat16' or 'float16'")
-    return DTYPES[dtype]
+    resolved = DTYPES.get(dtype, dtype)
+    check_dtype_supported(resolved, device)  # bfloat16 on a GPU older than sm_80 is refused
+    return resolved
 
 
 def check_carve_args(num_experts: Optional[int], top_k: Optional[int], intermediate_size: Optional[int] = None) -> None:

@@ -36,6 +36,7 @@ import torch
 
 from minfer.config import ModelConfig
 from minfer.engine.buckets import bucket_for
+from minfer.formats.hardware import check_fp8_supported
 from minfer.formats.kv import FP8_DTYPE, check_kv_cache_dtype, dequantize_kv, fp8_scale, quantize_kv, quantize_kv_fp8
 from minfer.kernels.paged_cache import gather_blocks, slots_for_positions
 from minfer.layers.attention import AttentionFn
@@ -47,6 +48,8 @@ class KVPool:
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         self.quantized = self.kv_cache_dtype == "int8"  # int8: a scale per (token, KV head)
         self.fp8 = self.kv_cache_dtype == "fp8"  # fp8: a scale per (layer, KV head)
+        if self.fp8:
+            check_fp8_supported(device)
         self.dtype = dtype  # the model's: what reads return
         self.block_size, self.num_blocks = block_size, num_blocks
         shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim)  # heads-first

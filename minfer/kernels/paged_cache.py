@@ -55,7 +55,8 @@ float32 and multiply by its head's scale, a single number per program. Triton's 
 these conversions, so the tests check the kernels under ``TRITON_INTERPRET=1``, but it rounds
 float32 to e4m3 wrongly in some cases, so ``write_kv`` rounds by hand first (``round_to_e4m3``).
 A GPU converts e4m3 in hardware from sm_89 (Ada, Hopper) on (``tests/test_kernel_compile.py``
-compiles the fp8 variants for sm_90, and says what sm_80 does).
+compiles the fp8 variants for sm_89 and sm_90, and says what sm_80 does); on an older GPU an fp8 pool
+is refused with a ValueError (``minfer.formats.hardware``) before any kernel compiles.
 
 Running the kernels
 -------------------
@@ -84,6 +85,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minfer.formats.hardware import check_fp8_supported
 from minfer.formats.kv import FP8_DTYPE, dequantize_kv, quantize_kv, quantize_kv_fp8
 
 
@@ -147,8 +149,9 @@ def check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
 
 def check_scales(k_pool: torch.Tensor, k_scales: Optional[torch.Tensor], v_scales: Optional[torch.Tensor]) -> None:
     """int8 pools come with float32 scale pools [num_blocks, block_size, num_kv_heads], fp8 pools with
-    float32 scales [num_kv_heads]; other pools without."""
+    float32 scales [num_kv_heads] (and a GPU from sm_89 on); other pools without."""
     if k_pool.dtype == FP8_DTYPE:
+        check_fp8_supported(k_pool.device, "an fp8 KV pool")  # rather than Triton's refusal at compile time
         for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
             if scales is None or scales.shape != k_pool.shape[2:3] or scales.dtype != torch.float32 or not scales.is_contiguous():
                 raise ValueError(f"fp8 pools need {name} float32 [{k_pool.shape[2]}] (one per KV head), got "
