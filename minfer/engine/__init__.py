@@ -18,6 +18,7 @@ Beside the step:
     buckets.py          the token counts a step is padded up to, so the matmuls meet a bounded set of shapes
     kv_calibration.py   an fp8 KV pool's static scales: one pass over the calibration text, |k| and |v| recorded
     parallel.py         tensor parallelism: rank 0 runs the engine, workers run their shard of every layer
+    tp_worker.py        ... the calls rank 0 sends them (a method name, dataclass arguments) and the worker's side
 
 Speculative decoding, which the engine runs when asked, is its own package: `minfer/spec/`.
 """

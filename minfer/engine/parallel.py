@@ -9,7 +9,8 @@ Who does what (the layout of vLLM's and nano-vllm's engines):
 * **Rank 0** is the process that made the `LLM`. It runs everything that decides: the scheduler,
   the block manager (so continuous batching, preemption and prefix caching work unchanged) and
   sampling. Each step it prepares the step's tensors as usual, then broadcasts them (token ids,
-  positions, each sequence's slice and block table) to the workers (`ParallelModelRunner`).
+  positions, each sequence's slice and block table) to the workers (`ParallelModelRunner`), as a
+  call of a worker method by name (`minfer.engine.tp_worker`).
 * **Ranks 1..N-1** are worker processes started here with torch.multiprocessing (spawn; fork for a
   script without `if __name__ == "__main__":`, see `start_method`). Each
   holds 1/N of every layer (`minfer.layers.parallel_linear`) and a KV pool of its own for its KV
@@ -53,8 +54,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from minfer.config import EngineConfig, ModelConfig, allowed_group_sizes
-from minfer.engine.model_runner import ModelRunner, PreparedStep, profile_forward
-from minfer.engine.paged_kv import KVPool, PagedStep
+from minfer.engine.model_runner import ModelRunner, PreparedStep
+from minfer.engine.tp_worker import Call, Channel, PoolSpec, ProfileSize, StepInputs, Worker, broadcast_payload
 from minfer.layers.attention import get_attention_fn
 from minfer.layers.linear import pack_linears
 from minfer.layers.parallel_linear import CommStats, shard_model_config, shard_weights, wrap_row_parallel
@@ -129,18 +130,15 @@ class TensorParallelWorkers:
             self.processes.append(process)
         self._stopper = weakref.finalize(self, stop_workers, self.processes, self.device)  # at GC and at exit
         self.stats = CommStats()
+        self.channel = Channel(self.device, self.stats)
         self.model = build_shard(shard_config, shard_weights(loaded.weights, 0, n), config.dtype, self.device,
                                  config.quantization, group_size, attention, self.stats)
         wait_until_ready(self.processes, ready)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=n, timeout=TIMEOUT)
 
-    def send(self, message) -> None:
-        """Broadcast one message (a step, or None to stop) from rank 0 to every worker."""
-        start = time.perf_counter()
-        dist.broadcast_object_list([message], src=0, device=self.device if self.device.type == "cuda" else None)
-        self.stats.broadcast_seconds += time.perf_counter() - start
-        self.stats.broadcasts += 1
-        self.stats.broadcast_bytes += len(pickle.dumps(message))
+    def call(self, method: str, *args) -> None:
+        """Have every worker run its method `method` on args (`minfer.engine.tp_worker.Worker`)."""
+        self.channel.call(method, *args)
 
     def shutdown(self) -> None:
         """Stop the workers now (also done when this object is collected, and at exit)."""
@@ -220,7 +218,7 @@ def wait_until_ready(processes: list, ready) -> None:
 def stop_workers(processes: list, device: torch.device) -> None:
     if dist.is_initialized():
         try:
-            dist.broadcast_object_list([None], src=0, device=device if device.type == "cuda" else None)
+            broadcast_payload(pickle.dumps(Call("stop")), device)
         except Exception:  # a worker died already: the join below ends the rest
             pass
     for process in processes:
@@ -238,27 +236,31 @@ class ParallelModelRunner(ModelRunner):
     graphs_allowed = False  # the workers run every step eagerly, and rank 0 with them
 
     def __init__(self, model: LlamaModel, config: EngineConfig, workers: TensorParallelWorkers) -> None:
-        self.workers, self.comm_stats = workers, workers.stats
+        if profiles_memory(config, model.embed_tokens.weight.device):  # its all-reduces need every rank
+            workers.call("profile", ProfileSize(config.max_num_batched_tokens, config.max_model_len))
         super().__init__(model, config)
-        workers.send(("pool", self.pool.num_blocks, config.block_size, config.kv_cache_dtype, config.bucket_step_shapes))
-
-    def _blocks_for_memory(self) -> int:
-        if self.device.type == "cuda" and self.config.kv_cache_memory_bytes is None:
-            self.workers.send(("profile", self.config.max_num_batched_tokens, self.config.max_model_len))  # the profiling pass has all-reduces
-        return super()._blocks_for_memory()
+        self.workers, self.comm_stats = workers, workers.stats
+        workers.call("make_pool", PoolSpec(self.pool.num_blocks, config.block_size, config.kv_cache_dtype,
+                                           config.bucket_step_shapes))
 
     def prepare(self, batch: list[tuple[Sequence, int]]) -> PreparedStep:
         step = super().prepare(batch)
         paged = step.paged
-        self.workers.send(("step", step.input_ids[0].tolist(), step.positions[0].tolist(), paged.num_tokens,
-                           paged.slices, paged.use_kernels))
+        self.workers.call("step", StepInputs(step.input_ids[0].tolist(), step.positions[0].tolist(), paged.num_tokens,
+                                             paged.slices, paged.use_kernels))
         return step
+
+
+def profiles_memory(config: EngineConfig, device: torch.device) -> bool:
+    """Whether ModelRunner's constructor runs a full-size forward pass to size the KV pool (`_blocks_for_memory`):
+    on CUDA, when neither a block count nor a memory budget is given."""
+    return not config.num_gpu_blocks_override and device.type == "cuda" and config.kv_cache_memory_bytes is None
 
 
 def worker_main(rank: int, world_size: int, port: int, backend: str, config: ModelConfig, weights: dict,
                 dtype: torch.dtype, quantization: Optional[str], group_size: Optional[int], attention: str,
                 parent_pid: int, num_threads: int, ready) -> None:
-    """Ranks 1..N-1: build the shard, then run every step rank 0 sends until it sends None."""
+    """Ranks 1..N-1: build the shard, then run every call rank 0 sends until it calls "stop"."""
     torch.set_num_threads(num_threads)  # as many as rank 0 uses
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
@@ -269,23 +271,7 @@ def worker_main(rank: int, world_size: int, port: int, backend: str, config: Mod
     ready.put(mp.current_process().name)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=TIMEOUT)
-    pool, bucket_widths, no_logits = None, False, torch.zeros(0, dtype=torch.long, device=device)
-    while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
-        message = box[0]
-        if message is None:
-            break
-        if message[0] == "pool":
-            _, num_blocks, block_size, kv_cache_dtype, bucket_widths = message
-            pool = KVPool(config, num_blocks, block_size, dtype, device, kv_cache_dtype)
-        elif message[0] == "profile":
-            profile_forward(model, *message[1:])
-        else:  # a step: the same forward as rank 0's; only rank 0 reads logits
-            _, input_ids, positions, num_tokens, slices, use_kernels = message
-            paged = PagedStep(pool, slices, torch.tensor(positions[:num_tokens]), use_kernels, bucket_widths)
-            model(torch.tensor([input_ids], device=device), torch.tensor([positions], device=device), paged,
-                  logits_indices=no_logits)
+    Worker(model, config, dtype, device).serve()
     # Leave at once: no destroy_process_group (it would wait on rank 0, which waits for this process to
     # end) and no interpreter teardown (seconds of freeing torch's state on a busy machine).
     os._exit(0)
