@@ -1,6 +1,6 @@
 """Every Triton kernel of minfer/kernels compiled for real GPUs, on any machine: shared memory and registers.
 
-    python benchmarks/kernel_resources.py                    # a markdown table, sm_80 and sm_90
+    python benchmarks/kernel_resources.py                    # a markdown table, sm_75 to sm_90
     python benchmarks/kernel_resources.py --jobs 2 --json resources.json
     python benchmarks/kernel_resources.py --full             # every combination, not just every value
 
@@ -16,7 +16,8 @@ ships inside the triton wheel, which writes a cubin: no driver, no GPU. From eac
 reports the shared memory its launch would request (``metadata.shared``, what Triton compares
 with the device's limit before a launch) and, from the report of ``ptxas -v``, its registers per
 thread and the bytes it spills to local memory when registers run out. Limits checked: shared
-memory per block at most 163 KiB on sm_80 (A100) and 227 KiB on sm_90 (H100, H200); at most 255
+memory per block at most 64 KiB on sm_75 (T4), 163 KiB on sm_80 (A100), 99 KiB on sm_86 and sm_89 (RTX 30xx
+and 40xx, L4) and 227 KiB on sm_90 (H100, H200); at most 255
 registers per thread; and no spills beyond a register or two (not an error on a GPU, but slow).
 
 Which variants: the ones the engine launches. Rather than restate how each wrapper chooses its
@@ -70,8 +71,11 @@ warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
 # Triton's ptxas step runs with -v; this makes it print the report (registers, spills) instead of dropping it.
 triton.knobs.nvidia.dump_ptxas_log = True
 
-ARCHS = {80: "sm_80 (A100)", 90: "sm_90 (H100, H200)"}
-SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # bytes of shared memory one block may opt in to
+ARCHS = {75: "sm_75 (T4, RTX 20xx)", 80: "sm_80 (A100)", 86: "sm_86 (RTX 30xx, A10)", 89: "sm_89 (RTX 40xx, L4)",
+         90: "sm_90 (H100, H200)"}
+# bytes of shared memory one block may opt in to
+SHARED_LIMIT = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+FULL_ARCHS = (80, 90)  # every variant (``variants``); the others, what the engine launches by default (``default_variants``)
 MAX_REGISTERS = 255  # per thread, on every NVIDIA GPU since Kepler
 # A register or two spilled (4 B: Triton 3.6's int8-KV prefill tiles on sm_80, seen on the first GPU run) is one
 # L1-cached store and load per tile, nothing measurable; more means tiles too big for the register file.
@@ -79,10 +83,11 @@ TOLERATED_SPILL_BYTES = 8
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KV_FORMATS = ("auto", "int8")  # the pools in the model's dtype, or int8 with float32 scales
-# fp8 (e4m3) pools: compiled at BASE for every dtype and head_dim, and for sm_90 only: Triton refuses
-# e4m3 (its fp8e4nv) below sm_89 ("type fp8e4nv not supported in this architecture"), so an A100
-# serves kv_cache_dtype="fp8" on the gather path (minfer/engine/model_runner.py)
-FP8_ARCHS = (90,)
+# fp8 (e4m3) pools: compiled at BASE, and from sm_89 on only: Triton refuses e4m3 (its fp8e4nv) below
+# sm_89 ("type fp8e4nv not supported in this architecture"), and minfer refuses an fp8 pool there first
+# (minfer/formats/hardware.py). bfloat16 likewise from sm_80 on: an sm_75 GPU runs float16.
+FP8_ARCHS = (89, 90)
+BF16_ARCHS = (80, 86, 89, 90)
 GROUPS = {1: (9, 9), 3: (9, 3), 9: (9, 1)}  # GQA group -> (num_heads, num_kv_heads); 3 is SmolLM2-135M
 BLOCK_SIZES = (8, 16, 32)
 HEAD_DIMS = (64, 128)  # SmolLM2's 64; 128 as in Llama-style 7B models
@@ -133,6 +138,21 @@ def variants(full: bool = False) -> list[Variant]:
             or (m == 1 and g == INT4_GROUP_SIZES[1])]
     # the fused MoE's tokens only size its grid (its pairs come sorted), so dtype is its one axis
     out += [Variant(name, (("dtype", dtype),)) for name in ("fused_moe_gate_up", "fused_moe_down") for dtype in DTYPES]
+    return out
+
+
+def default_variants(arch: int) -> list[Variant]:
+    """One launch per kernel as the engine makes it by default on ``arch``: dtype="auto" (bfloat16 from sm_80 on,
+    float16 below), the model's KV dtype, SmolLM2's GQA group and head_dim, the default block size, one decode row;
+    and, where fp8 KV runs (sm_89+), the fp8 pools too."""
+    dtype = "bf16" if arch in BF16_ARCHS else "fp16"
+    paged = [("group", BASE["group"]), ("block_size", BASE["block_size"]), ("head_dim", HEAD_DIMS[0])]
+    kvs = ("auto", "fp8") if arch in FP8_ARCHS else ("auto",)
+    out = [Variant(name, (("dtype", dtype), ("kv", kv), *paged))
+           for name in ("paged_prefill_attention", "paged_decode_attention", "write_kv") for kv in kvs]
+    out.append(Variant("int8_matmul", (("dtype", dtype), ("rows", 1), ("splits", 1))))
+    out.append(Variant("int4_matmul", (("dtype", dtype), ("rows", 1), ("group_size", INT4_GROUP_SIZES[1]), ("splits", 1))))
+    out += [Variant(name, (("dtype", dtype),)) for name in ("fused_moe_gate_up", "fused_moe_down")]
     return out
 
 
@@ -335,9 +355,10 @@ def _compile_job(job: tuple) -> dict:
 
 
 def compile_all(archs=tuple(ARCHS), jobs: int = 1, full: bool = False) -> list[dict]:
-    """Every variant for every architecture, in ``jobs`` processes."""
-    work = [(variant, arch) for variant in variants(full) for arch in archs
-            if variant.params.get("kv") != "fp8" or arch in FP8_ARCHS]
+    """Every variant for the architectures in FULL_ARCHS, the default launches for the others, in ``jobs`` processes;
+    fp8 pools only from sm_89 on, bfloat16 only from sm_80 on."""
+    work = [(variant, arch) for arch in archs for variant in (variants(full) if arch in FULL_ARCHS else default_variants(arch))
+            if (variant.params.get("kv") != "fp8" or arch in FP8_ARCHS) and (variant.params["dtype"] != "bf16" or arch in BF16_ARCHS)]
     if jobs <= 1:
         return [_compile_job(job) for job in work]
     with ProcessPoolExecutor(jobs) as pool:
@@ -382,7 +403,7 @@ def markdown(rows: list[dict]) -> str:
                  "; ".join(sorted(entry["tiles"]))]
         for arch in archs:
             a = entry["archs"].get(arch)
-            if a is None:  # not compiled for this architecture: fp8 pools need sm_89+ (FP8_ARCHS)
+            if a is None:  # not compiled for this architecture: only the default launches, or fp8/bf16 not there
                 cells += ["not built", "", ""]
                 continue
             cells += ["compile error", "", ""] if a["error"] else [
@@ -401,7 +422,7 @@ def _tiles(kernel: str, constexprs: dict) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--archs", type=int, nargs="+", default=list(ARCHS), choices=list(ARCHS),
-                        help="compute capabilities to compile for (default: 80 90)")
+                        help="compute capabilities to compile for (default: all of them)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="compiling processes")
     parser.add_argument("--full", action="store_true", help="every combination of the axes, not every value")
     parser.add_argument("--json", help="also write every row (one per variant and architecture) to this file")
@@ -415,8 +436,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     for r in failed:
         print(f"\n{r['kernel']} {r['params']} sm_{r['arch']}: {r.get('error') or '; '.join(r['problems'])}")
     variant_count = len({(r["kernel"], json.dumps(r["params"], sort_keys=True)) for r in rows})
-    print(f"\n{len(rows)} compilations of {variant_count} variants for sm_{', sm_'.join(map(str, args.archs))} (fp8 pools "
-          f"for {', '.join(f'sm_{a}' for a in FP8_ARCHS)} only) in {seconds:.0f} s with {args.jobs} processes, "
+    print(f"\n{len(rows)} compilations of {variant_count} variants for sm_{', sm_'.join(map(str, args.archs))} (every variant "
+          f"for {', '.join(f'sm_{a}' for a in FULL_ARCHS)}, the default launches for the others; fp8 pools from sm_89 on) "
+          f"in {seconds:.0f} s with {args.jobs} processes, "
           f"triton {triton.__version__}; "
           f"{len(failed)} with errors or problems")
     if args.json:

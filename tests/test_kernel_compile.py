@@ -1,11 +1,13 @@
-"""Every Triton kernel compiled for real GPUs (sm_80, sm_90) on this CPU-only machine, and checked.
+"""Every Triton kernel compiled for real GPUs (sm_75 to sm_90) on this CPU-only machine, and checked.
 
 tests/test_kernels.py runs the kernels under Triton's interpreter, which executes them with numpy
 and never compiles them: it accepts a ``tl.dot`` the GPU compiler refuses, and it knows nothing
 of shared memory or registers. Here ``benchmarks/kernel_resources.py`` compiles every variant the
 engine launches (recorded from the wrappers themselves, with the engine's defaults) down to a
 cubin with the compiler and ptxas that ship inside the triton wheel, and these tests check that
-every one compiles, fits in shared memory, and neither exceeds 255 registers nor spills. On a
+every one compiles, fits in shared memory, and neither exceeds 255 registers nor spills: every variant
+for sm_80 and sm_90, and the launches the engine makes by default for sm_75 (T4: float16), sm_86 and
+sm_89 (the consumer GPUs; fp8 KV from sm_89 on). On a
 CUDA machine one more test runs the kernels whose own tests always interpret them (int8 KV, the
 quantized matmuls) compiled, against their references.
 
@@ -23,13 +25,15 @@ from pathlib import Path
 import pytest
 import torch
 
-# Compiling 234 kernels takes ~20 s with a warm Triton cache and ~100 s without (2 cores).
+# Compiling 258 kernels takes ~20 s with a warm Triton cache and ~100 s without (2 cores); the 24 default launches
+# for sm_75, sm_86 and sm_89 are 8 s of that without a cache.
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "kernel_resources.py"
-ARCHS = (80, 90)
-SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+ARCHS = (80, 90)  # every variant
+DEFAULT_ARCHS = (75, 86, 89)  # the engine's default launches (dtype="auto" there), fp8 KV on sm_89
+SHARED_LIMIT = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
 
 def run_compiled(args: list[str], timeout: int = 900, **env_vars: str) -> subprocess.CompletedProcess:
@@ -62,9 +66,24 @@ def test_every_variant_compiles_for_sm80_and_sm90(report):
     assert not failed, listing(failed, lambda r: r["error"])
     per_variant = {}
     for r in rows:
-        per_variant.setdefault((r["kernel"], json.dumps(r["params"], sort_keys=True)), []).append(r["arch"])
+        if r["arch"] in ARCHS:
+            per_variant.setdefault((r["kernel"], json.dumps(r["params"], sort_keys=True)), []).append(r["arch"])
     # fp8 KV for sm_90 only: e4m3 needs sm_89+ (test_the_compiler_refuses_what_the_interpreter_runs)
     assert all(sorted(archs) == ([90] if '"kv": "fp8"' in key[1] else list(ARCHS)) for key, archs in per_variant.items())
+
+
+def test_the_default_launches_compile_for_sm75_sm86_and_sm89(report):
+    """One launch per kernel in the dtype that dtype="auto" picks there: float16 on sm_75 (no bfloat16 on a T4),
+    bfloat16 on sm_86 and sm_89; fp8 KV pools on sm_89 too, never below."""
+    kernels = {"paged_prefill_attention", "paged_decode_attention", "write_kv", "int8_matmul", "int4_matmul",
+               "fused_moe_gate_up", "fused_moe_down"}
+    for arch, dtype in ((75, "fp16"), (86, "bf16"), (89, "bf16")):
+        rows = [r for r in report["rows"] if r["arch"] == arch]
+        assert {r["kernel"] for r in rows} == kernels, arch
+        assert {r["params"]["dtype"] for r in rows} == {dtype}, arch
+        assert not [r for r in rows if "error" in r], listing([r for r in rows if "error" in r], lambda r: r["error"])
+        fp8 = {r["kernel"] for r in rows if r["params"].get("kv") == "fp8"}
+        assert fp8 == ({"paged_prefill_attention", "paged_decode_attention", "write_kv"} if arch >= 89 else set()), arch
 
 
 def test_shared_memory_and_registers_within_limits(report):
@@ -73,7 +92,15 @@ def test_shared_memory_and_registers_within_limits(report):
     assert not too_much_shared, listing(too_much_shared, lambda r: f"{r['shared']} B of shared memory")
     too_many_registers = [r for r in rows if r["registers"] > 255]
     assert not too_many_registers, listing(too_many_registers, lambda r: f"{r['registers']} registers")
-    spilling = [r for r in rows if any("spills" in problem for problem in r["problems"])]  # beyond a register or two
+    spilling = [r for r in rows if any("spills" in problem for problem in r["problems"])  # beyond a register or two
+                and r["arch"] != 75]  # sm_75: test_no_spills_on_sm75
+    assert not spilling, listing(spilling, lambda r: f"spills {r['spill_stores']} B (tiles: {r['constexprs']})")
+
+
+@pytest.mark.xfail(strict=True, reason="on sm_75 the float16 attention tiles and the int8 matmul's take all 255 registers "
+                   "and spill hundreds of bytes per thread (slow on a T4, not wrong): tiles for sm_75 are still to choose")
+def test_no_spills_on_sm75(report):
+    spilling = [r for r in report["rows"] if r["arch"] == 75 and any("spills" in p for p in r["problems"])]
     assert not spilling, listing(spilling, lambda r: f"spills {r['spill_stores']} B (tiles: {r['constexprs']})")
 
 
@@ -154,7 +181,7 @@ BROKEN = textwrap.dedent('''
              "fine": (small_dot, (fp16, fp16, out), dict(M=16, K=16, N=16)),
              "e4m3": (fp8_upcast, (torch.ones(16, dtype=torch.float8_e4m3fn), out), dict(N=16))}
     for name, (kernel, args, kwargs) in cases.items():
-        for cap in (80, 90):
+        for cap in (75, 80, 86, 90):
             try:
                 kr.compile_launch(kernel, args, kwargs, cap)
                 result[f"{name}_{cap}"] = "compiled"
@@ -197,9 +224,11 @@ def test_the_compiler_refuses_what_the_interpreter_runs(tmp_path):
         pipelined = result[f"pipelined_{cap}"]
         assert pipelined["shared"] > SHARED_LIMIT[cap]
         assert any("shared memory" in problem for problem in pipelined["problems"]), pipelined
-    # e4m3 (fp8 KV): the interpreter runs it (tests/test_kv_fp8.py), sm_90 compiles it, sm_80 refuses it
+    # e4m3 (fp8 KV): the interpreter runs it (tests/test_kv_fp8.py), sm_90 compiles it, sm_75 to sm_86 refuse it
+    # (minfer refuses an fp8 pool there before Triton: tests/test_gpu_formats.py)
     assert result["e4m3_90"] == "compiled"
-    assert "fp8e4nv not supported in this architecture" in result["e4m3_80"], result["e4m3_80"]
+    for cap in (75, 80, 86):
+        assert "fp8e4nv not supported in this architecture" in result[f"e4m3_{cap}"], result[f"e4m3_{cap}"]
 
 
 ON_THE_GPU = textwrap.dedent('''
