@@ -14,6 +14,7 @@ paged_decode_attention``); this package re-exports nothing, so that a module and
 is named after never shadow each other.
 
 Without a GPU the tests run these kernels under Triton's interpreter; ``tests/test_kernel_compile.py``
-also compiles every variant the engine launches for sm_80 and sm_90 and checks its shared memory
+also compiles every variant the engine launches for sm_80 and sm_90 (its default launches for sm_75, sm_86
+and sm_89) and checks its shared memory
 and registers (``python benchmarks/kernel_resources.py`` prints them).
 """

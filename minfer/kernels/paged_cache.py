@@ -72,7 +72,8 @@ The interpreter is not a GPU: it accepts some kernels the GPU compiler rejects (
 inner side is under 16), knows nothing of shared memory or registers, and computes float32
 ``tl.dot`` in float32 where a GPU would round to TF32 unless told ``input_precision="ieee"``
 (which every kernel here says). ``tests/test_kernel_compile.py`` closes that gap without a GPU:
-it compiles every kernel variant the engine launches to a cubin for sm_80 and sm_90, with the
+it compiles every kernel variant the engine launches to a cubin for sm_80 and sm_90 (its default launches
+for sm_75, sm_86 and sm_89), with the
 compiler and ``ptxas`` Triton ships, and checks their shared memory and registers
 (``python benchmarks/kernel_resources.py`` prints them).
 """
