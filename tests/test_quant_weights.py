@@ -165,6 +165,18 @@ KERNEL_SCRIPT = textwrap.dedent("""
                 torch.testing.assert_close(int4_matmul(x, packed, s4, m4, num_splits=splits),
                                            int4_matmul_reference(x, packed, s4, m4), atol=1e-4, rtol=1e-4)
                 checked += 1
+    # float16 activations (the int4 kernel's magic-number path): one row and seven, every group size, K sliced.
+    # The kernel rounds each weight q * scale + min once to float16, as the reference's float32 weight would
+    # be; what is left is float16 output rounding (bfloat16 arithmetic needs a GPU: the interpreter has none)
+    w, x16 = torch.randn(40, 256, generator=gen), torch.randn(7, 256, generator=gen).half()
+    for group_size in (32, 64, 128):
+        q4, s4, m4 = quantize_int4_groupwise(w, group_size)
+        packed = pack_int4(q4)
+        for rows, splits in ((1, 1), (7, 1), (7, 2)):
+            got, want = int4_matmul(x16[:rows], packed, s4, m4, num_splits=splits), int4_matmul_reference(x16[:rows], packed, s4, m4)
+            assert got.dtype == torch.float16
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-3 * want.float().abs().max().item(), rtol=0)
+            checked += 1
     try:
         int8_matmul(x, q, scale, num_splits=5)  # K = 256: 4 steps of 64
         raise AssertionError("5 slices of 4 K steps were not refused")
@@ -203,7 +215,7 @@ def test_triton_kernels_match_reference_under_the_interpreter():
     done = subprocess.run([sys.executable, "-c", KERNEL_SCRIPT], env=env, capture_output=True, text=True,
                           timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "triton == reference: 22 checks" in done.stdout, done.stdout
+    assert "triton == reference: 31 checks" in done.stdout, done.stdout
 
 
 # --- quantized models -------------------------------------------------------------------------------------

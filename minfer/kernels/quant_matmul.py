@@ -113,6 +113,33 @@ def _int8_matmul_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, K_PER_SPLIT,
 
 
 @triton.jit
+def _codes_as_floats(words, DTYPE: tl.constexpr):
+    """int32 words [R, C] of eight 4-bit codes each -> [R, 8 * C] floats of DTYPE (float16 or bfloat16) equal
+    to MAGIC + code, exactly, columns in order.
+
+    No int-to-float conversion: a code ORed into the low mantissa bits of a float whose last mantissa bit
+    is worth 1 *is* that float plus the code: 0x6400 is 1024.0 in float16 (10 mantissa bits), 0x4300 is
+    128.0 in bfloat16 (7 bits), and codes 0..15 fit either. One 32-bit shift and one AND-OR (a single
+    LOP3 on the GPU) make two such floats, one in each half of the word. Nibble i of word j is column
+    8j + i (``pack_int4`` puts column 2b in the low nibble of byte b; a word's bytes are little-endian),
+    so half-word pair s holds columns 8j + s and 8j + s + 4.
+    """
+    magic: tl.constexpr = 0x64006400 if DTYPE == tl.float16 else 0x43004300
+    p0 = (words & 0x000F000F) | magic
+    p1 = ((words >> 4) & 0x000F000F) | magic
+    p2 = ((words >> 8) & 0x000F000F) | magic
+    p3 = ((words >> 12) & 0x000F000F) | magic
+    c0, c4 = p0.to(tl.int16).to(DTYPE, bitcast=True), (p0 >> 16).to(tl.int16).to(DTYPE, bitcast=True)
+    c1, c5 = p1.to(tl.int16).to(DTYPE, bitcast=True), (p1 >> 16).to(tl.int16).to(DTYPE, bitcast=True)
+    c2, c6 = p2.to(tl.int16).to(DTYPE, bitcast=True), (p2 >> 16).to(tl.int16).to(DTYPE, bitcast=True)
+    c3, c7 = p3.to(tl.int16).to(DTYPE, bitcast=True), (p3 >> 16).to(tl.int16).to(DTYPE, bitcast=True)
+    # join sets two tensors side by side along a new last axis, which becomes the lowest bit of the column
+    # once reshaped: the outermost join splits even columns from odd, the innermost s from s + 4
+    codes = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+    return tl.reshape(codes, [words.shape[0], 8 * words.shape[1]])
+
+
+@triton.jit
 def _int4_matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, K_PER_SPLIT,
                         stride_xm, stride_wn, stride_sn, stride_om, stride_osplit,
                         GROUP_SIZE: tl.constexpr,
@@ -123,19 +150,28 @@ def _int4_matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, K_PE
     k_start = split * K_PER_SPLIT
     k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     row_ok, col_ok = rows < M, cols < N
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # K and K_PER_SPLIT are multiples of BLOCK_K, which divides GROUP_SIZE: every step lies in one group
     for start in range(k_start, k_end, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None], other=0.0)
-        # Two neighbouring columns read the same byte; the shift picks the low or the high nibble.
-        byte = tl.load(w_ptr + cols[:, None] * stride_wn + (ks // 2)[None, :], mask=col_ok[:, None], other=0)
-        q = (byte.to(tl.int32) >> ((ks % 2) * 4)[None, :]) & 0xF
         group = start // GROUP_SIZE
-        scale = tl.load(scale_ptr + cols * stride_sn + group, mask=col_ok, other=0.0).to(tl.float32)
-        minimum = tl.load(min_ptr + cols * stride_sn + group, mask=col_ok, other=0.0).to(tl.float32)
-        w = q.to(tl.float32) * scale[:, None] + minimum[:, None]  # [BLOCK_N, BLOCK_K], only in registers
-        acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision="ieee")  # exact float32, as above
+        scale = tl.load(scale_ptr + cols * stride_sn + group, mask=col_ok, other=0.0)
+        minimum = tl.load(min_ptr + cols * stride_sn + group, mask=col_ok, other=0.0)
+        # w_ptr is the packed bytes seen as int32 words of 8 columns each
+        if dtype == tl.float32:  # the products run on the CUDA cores (16 per weight): the conversion matters less
+            word = tl.load(w_ptr + cols[:, None] * stride_wn + (ks // 8)[None, :], mask=col_ok[:, None], other=0)
+            q = ((word >> ((ks % 8) * 4)[None, :]) & 0xF).to(tl.float32)  # the shift picks column k's nibble
+            w = q * scale.to(tl.float32)[:, None] + minimum.to(tl.float32)[:, None]
+        else:
+            words = tl.load(w_ptr + cols[:, None] * stride_wn + (start // 8 + tl.arange(0, BLOCK_K // 8))[None, :],
+                            mask=col_ok[:, None], other=0)
+            magic: tl.constexpr = 1024.0 if dtype == tl.float16 else 128.0
+            # (magic + q) - magic is exact; q * scale + min is one fused multiply-add in the activations' dtype,
+            # two weights per instruction (HFMA2), rounded once, as the float32 weight was rounded to that dtype
+            w = (_codes_as_floats(words, dtype) - magic) * scale.to(dtype)[:, None] + minimum.to(dtype)[:, None]
+        acc += tl.dot(x, tl.trans(w), input_precision="ieee")  # exact float32, as above
     tl.store(out_ptr + split * stride_osplit + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -237,9 +273,10 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, mini
     if not use_triton(x):
         return int4_matmul_reference(x, packed, scale, minimum)
     packed, scale, minimum = packed.contiguous(), scale.contiguous(), minimum.contiguous()  # one stride per row
+    words = packed.view(torch.int32)  # 8 codes per word: the kernel loads 4 bytes at a time
     x2, out, grid, k_per_split = _launch(x, n, k, block_m, block_n, block_k, num_splits)
-    _int4_matmul_kernel[grid](x2, packed, scale, minimum, out, x2.shape[0], n, k, k_per_split,
-                              x2.stride(0), packed.stride(0), scale.stride(0), out.stride(1), out.stride(0),
+    _int4_matmul_kernel[grid](x2, words, scale, minimum, out, x2.shape[0], n, k, k_per_split,
+                              x2.stride(0), words.stride(0), scale.stride(0), out.stride(1), out.stride(0),
                               GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                               num_warps=matmul_warps(x.dtype))
     return _finish(out, x, n)
