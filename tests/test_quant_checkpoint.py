@@ -22,11 +22,12 @@ def greedy_tokens(llm: LLM) -> list[list[int]]:
 
 @pytest.mark.parametrize("method", list(SCHEMES))  # every scheme saves and loads
 def test_round_trip_is_bit_identical_with_the_same_greedy_tokens(tiny_dir, tmp_path, method):
-    out = quantize_checkpoint(tiny_dir, method, str(tmp_path / "ckpt"), group_size=None if method == "int8" else 32)
+    group_size = 32 if SCHEMES[method].grouped else None
+    out = quantize_checkpoint(tiny_dir, method, str(tmp_path / "ckpt"), group_size=group_size)
     config = json.loads((tmp_path / "ckpt" / "config.json").read_text())["quantization_config"]
-    assert config["method"] == method and config["bits"] == (8 if method == "int8" else 4)
+    assert config["method"] == method and config["bits"] == SCHEMES[method].bits
     # the checkpoint loads to exactly what the same quantization computes afresh at load time
-    fresh = LLM(tiny_dir, quantization=method, quantization_group_size=None if method == "int8" else 32)
+    fresh = LLM(tiny_dir, quantization=method, quantization_group_size=group_size)
     reloaded = LLM(out)
     assert isinstance(reloaded.model.layers[0].mlp.down_proj, type(fresh.model.layers[0].mlp.down_proj))
     fresh_state, reloaded_state = fresh.model.state_dict(), reloaded.model.state_dict()
@@ -85,7 +86,7 @@ def int4_checkpoint(tiny_dir, tmp_path_factory) -> str:
     ({"quant_method": "gptq"}, "only its own quantized layout"),
     ({"group_size": 48}, r"group_size must be one of \[32, 64\]"),
     ({"bits": 8}, "must read"),
-    ({"method": "fp4"}, r"method must be one of \('int8', 'int4', 'awq', 'gptq', 'nf4'\)"),
+    ({"method": "fp4"}, r"method must be one of \('int8', 'int4', 'awq', 'gptq', 'nf4', 'fp8'\)"),
     ({"method": "nf4"}, r"'nf4' quantization_config must read .*'sym': True"),
     ({"method": "int8"}, r"'int8' quantization_config must read .*'group_size': None"),
     ({"extra": 1}, "exactly the keys"),
@@ -144,4 +145,4 @@ def test_the_quantize_command(tiny_dir, tmp_path, capsys):
     assert run_quantize(args) == 2
     assert "group size must be one of [32, 64]" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        parser.parse_args([tiny_dir, "--method", "fp8", "--out", str(tmp_path / "y")])
+        parser.parse_args([tiny_dir, "--method", "fp4", "--out", str(tmp_path / "y")])

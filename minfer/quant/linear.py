@@ -57,7 +57,8 @@ def quantize_model(model: nn.Module, method: str, group_size: Optional[int] = No
 
     method: "int8" (per output channel), "int4" (group-wise round-to-nearest; group_size 32, 64 or
     128, default the largest that divides the model's sizes), "nf4" (QLoRA's NormalFloat, an absmax
-    per block of group_size inputs, `minfer.quant.nf4`; the reference matmul, any backend), "awq"
+    per block of group_size inputs, `minfer.quant.nf4`; the reference matmul, any backend), "fp8" (e4m3 per
+    output channel, `minfer.quant.fp8_linear`), "awq"
     (int4 after folding activation-aware scales into the float model, `minfer.quant.awq`) or "gptq" (int4 codes chosen
     by GPTQ, `minfer.quant.gptq`; with gptq_after_awq, on the matrices after AWQ's scales; with
     gptq_desc_act, in activation order on static groups). "awq"

@@ -26,6 +26,7 @@ from torch import nn
 
 from minfer.models.quantization_config import quantization_config
 from minfer.quant.awq import CLIP_LINEARS, apply_awq
+from minfer.quant.fp8_linear import Fp8Linear
 from minfer.quant.gptq import apply_gptq
 from minfer.quant.int_linear import Int4Linear, Int8Linear
 from minfer.quant.nf4 import Nf4Linear
@@ -148,9 +149,25 @@ class Nf4Scheme(QuantScheme):
         return Nf4Linear(tensors["qweight"], tensors["absmax"], bias)
 
 
+class Fp8Scheme(QuantScheme):
+    """fp8 e4m3 per output channel (`minfer.quant.fp8_linear`): fp8 matmuls on GPUs that have them, else the
+    weights widened to the activations' dtype."""
+
+    name = "fp8"
+
+    def quantize(self, linear, group_size, backend, codes=None):
+        return Fp8Linear.from_linear(linear, backend)
+
+    def layout(self, out_features, in_features, group_size):
+        return {"qweight": ((out_features, in_features), torch.float8_e4m3fn), "scale": ((out_features,), torch.float32)}
+
+    def load(self, tensors, bias, backend):
+        return Fp8Linear(tensors["qweight"], tensors["scale"], bias, backend)
+
+
 # The one list of schemes, by name, in the order messages list them.
 SCHEMES: dict[str, QuantScheme] = {s.name: s for s in (QuantScheme(), Int4Scheme(), AwqScheme(), GptqScheme(),
-                                                       Nf4Scheme())}
+                                                       Nf4Scheme(), Fp8Scheme())}
 HEAD_SCHEME = SCHEMES["int8"]  # the output head of every scheme (head="int8"): its errors land on the logits
 CALIBRATED_METHODS = tuple(name for name, s in SCHEMES.items() if s.calibrated)
 
