@@ -24,10 +24,18 @@ registers, one tile at a time; memory is read in the small format.
 - int8: the scale is per output channel (per row of W), so it factors out of the sum over K:
   ``sum_k x[m,k] * q[n,k] * s[n] = s[n] * sum_k x[m,k] * q[n,k]``. The loop multiplies by the bare
   integers and each output is scaled once at the end.
-- int4: the byte holding column k sits at ``k // 2``; shifting right by ``4 * (k % 2)`` and masking
-  with 0xF extracts the nibble. The scale and minimum change every ``group_size`` columns, so they
-  cannot be factored out; ``BLOCK_K`` divides the group size, so each K step lies inside one group
-  and needs one scale and one minimum per row: ``w = q * scale + min``.
+- int4: the scale and minimum change every ``group_size`` columns, so they cannot be factored out;
+  ``BLOCK_K`` divides the group size, so each K step lies inside one group and needs one scale and one
+  minimum per row: ``w = q * scale + min``. The packed bytes are loaded as int32 words, 8 codes each,
+  and for 16-bit activations turned into floats without an int-to-float conversion: a code ORed into
+  the mantissa of 1024.0 (float16) or 128.0 (bfloat16) makes that float plus the code, two codes per
+  32-bit operation (``_codes_as_floats``). Subtracting the constant is exact, and ``q * scale + min``
+  is one fused multiply-add in the activations' dtype, two weights per instruction. For float16 that
+  is the reference's float32 weight rounded to float16; bfloat16 rounds the float16 scale and minimum
+  to bfloat16 first (a relative error of 2**-9 on the scale, some thirty times smaller than int4's own
+  rounding, half a step), which a GPU run measures against the reference (tests/test_kernel_compile.py).
+  Float32 activations keep a shift, a mask and a conversion per weight: their products run on the
+  CUDA cores, 16 multiply-adds per weight, which the conversion does not change much.
 
 Tiles: a decode step has one row, so the grid is one program per ``BLOCK_N`` outputs, and narrow tiles
 are what put many SMs to work. ``benchmarks/tune_quant_matmul.py`` times every choice on an H200
@@ -35,15 +43,10 @@ are what put many SMs to work. ``benchmarks/tune_quant_matmul.py`` times every c
 K steps of 64 or 32 take 111 us in int8 and 772 us in int4, against 42 us for dense bfloat16; 32
 outputs and K steps of 256 bring int8 to 41 us (as fast as dense, from half the bytes), 16 outputs and
 K steps of 64 bring int4 to 245 us. (Those are for bfloat16 activations; float32 ones keep the shorter
-K steps, which their exact products need to fit in registers.) int4 stays far from its bytes' worth: each weight costs a shift, a
-mask, a multiply and an add on the CUDA cores before the tensor cores see it.
-Two rewrites of the int4 step do not pay, judged by the SASS of the compiled K loop
-(sm_90, bfloat16, group 64, ``nvdisasm`` on Triton's cubin): loading each byte once and running two dots,
-over the even columns with the low nibbles and the odd columns with the high ones (297 instructions
-against 182), and on top of that multiplying the bare codes and applying the group's scale and minimum
-after the sum (318). The byte-to-float conversions and the layout shuffles they add cost more than the
-second load of each byte that they save. The fast int4 kernels elsewhere convert with bit tricks instead (a
-code ORed into the mantissa of a float constant), which this kernel does not.
+K steps, which their exact products need to fit in registers.) Those int4 times are for an earlier
+kernel that spent a shift, a mask, a conversion and a multiply-add per weight: 22.75 machine
+instructions per weight in its compiled K loop (sm_90, bfloat16), against 12.12 for this one
+(``benchmarks/sass_inner_loop.py``, docs/kernels.md); this one has no GPU time yet.
 
 Split-K: cutting K into ``num_splits`` slices (a third grid axis) gives still more programs: each sums
 its slice into a float32 partial, and a ``sum`` over the slices finishes the job, at the price of that
