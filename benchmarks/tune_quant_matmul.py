@@ -1,6 +1,7 @@
 """Which tiles suit the int8/int4 matmul kernels on this GPU: every (block_n, block_k, K slices) timed beside dense.
 
     python benchmarks/tune_quant_matmul.py --json tune.json     # needs CUDA; on a CPU it says so and exits 0
+    python benchmarks/tune_quant_matmul.py --shapes llama --rows 1 16 --group-sizes 64 128
 
 The kernels' first defaults (64 outputs per program, K steps of 64 for int8 and 32 for int4, K unsplit) were
 chosen without a GPU; this script's H200 figures set the present ones (``minfer/kernels/quant_matmul.py``). At decode sizes the grid is small (N / block_n programs for one
@@ -18,9 +19,11 @@ from typing import Optional
 
 import torch
 
-SHAPES = [(3072, 576), (576, 1536), (4096, 14336)]  # SmolLM2's gate_up and down projections, Llama-3.1-8B's down
+SHAPES = {"default": [(3072, 576), (576, 1536), (4096, 14336)],  # SmolLM2's gate_up and down, Llama-3.1-8B's down
+          # Llama-3.1-8B's linears (N x K): q, k and v together, o, gate and up together, down
+          "llama": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]}
 BLOCK_N = (16, 32, 64, 128)
-BLOCK_K = {"int8": (32, 64, 128, 256), "int4": (16, 32, 64)}  # int4's step must divide the group size (64 here)
+BLOCK_K = {"int8": (32, 64, 128, 256), "int4": (16, 32, 64, 128)}  # int4's step must divide the group size
 FIRST_DEFAULTS = {"int8": (64, 64, 1), "int4": (64, 32, 1)}  # (block_n, block_k, num_splits) before the GPU run
 
 
@@ -31,17 +34,24 @@ def time_us(run) -> float:
     return triton.testing.do_bench(run, warmup=10, rep=40) * 1e3
 
 
-def tune(n: int, k: int, rows: int, group_size: int = 64, device: str = "cuda") -> list[dict]:
+def tune(n: int, k: int, rows: int, group_sizes: tuple = (64,), device: str = "cuda") -> list[dict]:
+    """Every tile choice of int8 and of int4 in each group size, timed, with dense ``F.linear`` beside them."""
     from minfer.bench.kernels import quant_operands
+    from minfer.formats.weights import pack_int4, quantize_int4_groupwise
     from minfer.kernels.quant_matmul import int4_matmul, int8_matmul
 
-    x, dense, (q8, s8), (packed, s4, m4) = quant_operands(n, k, rows, torch.bfloat16, group_size, device)
-    calls = {"int8": lambda **tiles: int8_matmul(x, q8, s8, block_m=16, **tiles),
-             "int4": lambda **tiles: int4_matmul(x, packed, s4, m4, block_m=16, **tiles)}
+    x, dense, (q8, s8), (packed, s4, m4) = quant_operands(n, k, rows, torch.bfloat16, group_sizes[0], device)
+    calls = {"int8": lambda **tiles: int8_matmul(x, q8, s8, block_m=16, **tiles)}
+    for g in group_sizes:  # the same weights, quantized in groups of g
+        packed, s4, m4 = (packed, s4, m4) if g == group_sizes[0] else (
+            lambda q, s, m: (pack_int4(q), s, m))(*quantize_int4_groupwise(dense.float(), g))
+        calls[f"int4 g{g}"] = lambda p=packed, s=s4, m=m4, **tiles: int4_matmul(x, p, s, m, block_m=16, **tiles)
     want = {fmt: call(block_n=64, block_k=32, num_splits=1).float() for fmt, call in calls.items()}
     out = [{"n": n, "k": k, "rows": rows, "format": "dense", "us": time_us(lambda: torch.nn.functional.linear(x, dense))}]
     for fmt, call in calls.items():
-        for block_n, block_k, splits in itertools.product(BLOCK_N, BLOCK_K[fmt], (1, None)):
+        group = int(fmt.split("g")[-1]) if fmt.startswith("int4") else None
+        block_ks = [b for b in BLOCK_K[fmt.split()[0]] if group is None or group % b == 0]
+        for block_n, block_k, splits in itertools.product(BLOCK_N, block_ks, (1, None)):
             tiles = dict(block_n=block_n, block_k=block_k, num_splits=splits)
             row = {"n": n, "k": k, "rows": rows, "format": fmt, **tiles}
             try:
@@ -57,23 +67,29 @@ def tune(n: int, k: int, rows: int, group_size: int = 64, device: str = "cuda") 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--shapes", choices=list(SHAPES), default="default", help="which matrices (N x K) to time")
+    parser.add_argument("--group-sizes", type=int, nargs="+", default=[64], choices=[32, 64, 128],
+                        help="int4 group sizes (the first also sets the rows of the int4 first defaults)")
     parser.add_argument("--json", help="also write every timed row to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("tune_quant_matmul: needs CUDA (the Triton kernels compile for GPUs); nothing to time here.")
         return 0
-    rows = [r for (n, k), m in itertools.product(SHAPES, args.rows) for r in tune(n, k, m)]
-    print("| N x K | rows | dense us | format | first defaults us | best us | best (block_n, block_k, splits) | best / dense |")
+    shapes = SHAPES[args.shapes]
+    rows = [r for (n, k), m in itertools.product(shapes, args.rows) for r in tune(n, k, m, tuple(args.group_sizes))]
+    print("| N x K | rows | dense us | format | first defaults us | best us | best (block_n, block_k, splits) | "
+          "dense / best |")
     print("|---|---:|---:|---|---:|---:|---|---:|")
-    for (n, k), m in itertools.product(SHAPES, args.rows):
+    for (n, k), m in itertools.product(shapes, args.rows):
         mine = [r for r in rows if (r["n"], r["k"], r["rows"]) == (n, k, m)]
         dense = next(r["us"] for r in mine if r["format"] == "dense")
-        for fmt in ("int8", "int4"):
+        for fmt in ["int8"] + [f"int4 g{g}" for g in args.group_sizes]:
             timed = [r for r in mine if r["format"] == fmt and r["agrees"]]
-            default = next(r["us"] for r in timed if (r["block_n"], r["block_k"], r["num_splits"]) == FIRST_DEFAULTS[fmt])
+            first = FIRST_DEFAULTS[fmt.split()[0]]
+            default = next((f"{r['us']:.1f}" for r in timed if (r["block_n"], r["block_k"], r["num_splits"]) == first), "-")
             best = min(timed, key=lambda r: r["us"])
-            print(f"| {n} x {k} | {m} | {dense:.1f} | {fmt} | {default:.1f} | {best['us']:.1f} | "
-                  f"({best['block_n']}, {best['block_k']}, {best['num_splits'] or 'auto'}) | {best['us'] / dense:.2f} |")
+            print(f"| {n} x {k} | {m} | {dense:.1f} | {fmt} | {default} | {best['us']:.1f} | "
+                  f"({best['block_n']}, {best['block_k']}, {best['num_splits'] or 'auto'}) | {dense / best['us']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
