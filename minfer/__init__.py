@@ -34,8 +34,17 @@ Course code sits on top and may use all of it; the library never imports it:
     glass.py           a notebook's window on a running engine: its KV pool, queues and last step
     moe/tiny.py, quant/qat.py, spec/distill.py   the course's training code (chapters 10, 06b, 08)
 """
-from minfer.llm import LLM
 from minfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minfer.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics"]
+
+
+def __getattr__(name: str):
+    # LLM brings the whole engine, Triton included: imported when first used, so that `import minfer.course`
+    # stays light and a notebook can still choose Triton's interpreter before Triton is imported.
+    if name == "LLM":
+        from minfer.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'minfer' has no attribute {name!r}")

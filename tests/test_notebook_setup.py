@@ -15,8 +15,6 @@ from minfer.course import setup_notebook
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 REPOSITORY = re.search(r'^Repository = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)  # [project.urls]
-# Notebooks still without the cell (it is added to them when they are next re-executed); empty once all have it.
-PENDING = {"03_paged_attention", "06_quantization", "06b_ptq_and_qat"}
 
 
 def setup_cell(notebook: Path) -> dict:
@@ -30,9 +28,6 @@ def is_setup_cell(cell: dict) -> bool:
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[nb.stem for nb in NOTEBOOKS])
 def test_the_setup_cell_opens_every_notebook(notebook: Path) -> None:
     cell = setup_cell(notebook)
-    if notebook.stem in PENDING:
-        assert not is_setup_cell(cell), f"{notebook.name} has its set-up cell now: take it out of PENDING"
-        return
     assert is_setup_cell(cell), f"{notebook.name}: cell 1 (after the opening text) is not the set-up cell"
     source = "".join(cell["source"])
     first_import = re.search(r"^(?:from|import) minfer", source, re.M)
@@ -43,7 +38,7 @@ def test_the_setup_cell_opens_every_notebook(notebook: Path) -> None:
 
 
 def test_the_setup_cell_is_the_same_everywhere() -> None:
-    sources = {"".join(setup_cell(nb)["source"]) for nb in NOTEBOOKS if nb.stem not in PENDING}
+    sources = {"".join(setup_cell(nb)["source"]) for nb in NOTEBOOKS}
     assert len(sources) == 1, "the notebooks' set-up cells differ"
 
 
