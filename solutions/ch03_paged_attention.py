@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.paged_cache import check_attention_inputs
+from minfer.kernels.paged_cache import check_attention_inputs, check_tile
+from minfer.kernels.paged_prefill_attention import check_cu_seqlens
 
 
 def slot_for(block_table: list[int], position: int, block_size: int) -> int:
@@ -389,16 +390,9 @@ def flash_prefill_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     Returns [total_new_tokens, num_heads, head_dim] in q's dtype.
     """
     group = check_attention_inputs(q, k_pool, v_pool, block_tables, context_lens)
-    for name, size in (("block_m", block_m), ("block_n", block_n)):
-        if size < 16 or size & (size - 1):
-            raise ValueError(f"{name} must be a power of two of at least 16 (tl.dot's smallest tile), got {size}")
-    starts = cu_seqlens_q.tolist()
-    q_lens = [end - start for start, end in zip(starts, starts[1:])]
-    if len(starts) != len(context_lens) + 1 or starts[0] != 0 or starts[-1] != q.shape[0]:
-        raise ValueError(f"cu_seqlens_q must be [num_seqs + 1] cumulative starts from 0 to {q.shape[0]}, got {starts}")
-    if any(not 1 <= n <= ctx for n, ctx in zip(q_lens, context_lens.tolist())):
-        raise ValueError(f"every sequence needs 1 <= q_len <= context_len, got q_lens {q_lens} and context_lens "
-                         f"{context_lens.tolist()}")
+    check_tile("block_m", block_m)
+    check_tile("block_n", block_n)
+    q_lens = check_cu_seqlens(q, cu_seqlens_q, context_lens)
     num_heads, head_dim = q.shape[1:]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     out = torch.empty_like(q)

@@ -56,7 +56,7 @@ from minfer.kernels.online_softmax import online_softmax_update
 from minfer.kernels.paged_cache import check_attention_inputs, check_tile, gather_kv, load_kv_tile, use_triton
 
 
-def _check_cu_seqlens(q: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor) -> list[int]:
+def check_cu_seqlens(q: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor) -> list[int]:
     """Return the query lengths, after checking they tile q and fit in their contexts."""
     starts = cu_seqlens_q.tolist()
     q_lens = [end - start for start, end in zip(starts, starts[1:])]
@@ -83,7 +83,7 @@ def paged_prefill_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_p
     fp8 pools with k_scales, v_scales [num_kv_heads].
     """
     group = check_attention_inputs(q, k_pool, v_pool, block_tables, context_lens, k_scales, v_scales)
-    q_lens = _check_cu_seqlens(q, cu_seqlens_q, context_lens)
+    q_lens = check_cu_seqlens(q, cu_seqlens_q, context_lens)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out = torch.empty_like(q)
     for seq, (start, q_len, ctx) in enumerate(zip(cu_seqlens_q.tolist(), q_lens, context_lens.tolist())):
@@ -196,7 +196,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
         return paged_prefill_attention_reference(q, k_pool, v_pool, block_tables, cu_seqlens_q, context_lens, scale,
                                                  k_scales=k_scales, v_scales=v_scales)
     if max_q_len is None:  # sizing the grid needs the longest chunk on the host: read it (a sync), checked
-        max_q_len = max(_check_cu_seqlens(q, cu_seqlens_q, context_lens))
+        max_q_len = max(check_cu_seqlens(q, cu_seqlens_q, context_lens))
     num_heads, head_dim = q.shape[1:]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     out = torch.empty_like(q)
