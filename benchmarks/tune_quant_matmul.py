@@ -24,6 +24,7 @@ SHAPES = {"default": [(3072, 576), (576, 1536), (4096, 14336)],  # SmolLM2's gat
           "llama": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]}
 BLOCK_N = (16, 32, 64, 128)
 BLOCK_K = {"int8": (32, 64, 128, 256), "int4": (16, 32, 64, 128)}  # int4's step must divide the group size
+WARPS = (None, 2, 4)  # int4 only: fewer warps leave each thread more weights per step (docs/kernels.md)
 FIRST_DEFAULTS = {"int8": (64, 64, 1), "int4": (64, 32, 1)}  # (block_n, block_k, num_splits) before the GPU run
 
 
@@ -51,8 +52,11 @@ def tune(n: int, k: int, rows: int, group_sizes: tuple = (64,), device: str = "c
     for fmt, call in calls.items():
         group = int(fmt.split("g")[-1]) if fmt.startswith("int4") else None
         block_ks = [b for b in BLOCK_K[fmt.split()[0]] if group is None or group % b == 0]
-        for block_n, block_k, splits in itertools.product(BLOCK_N, block_ks, (1, None)):
+        warps = WARPS if fmt.startswith("int4") else (None,)  # None: the kernel's own choice (int4_warps)
+        for block_n, block_k, splits, num_warps in itertools.product(BLOCK_N, block_ks, (1, None), warps):
             tiles = dict(block_n=block_n, block_k=block_k, num_splits=splits)
+            if num_warps:
+                tiles["num_warps"] = num_warps
             row = {"n": n, "k": k, "rows": rows, "format": fmt, **tiles}
             try:
                 got = call(**tiles).float()
@@ -86,10 +90,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         for fmt in ["int8"] + [f"int4 g{g}" for g in args.group_sizes]:
             timed = [r for r in mine if r["format"] == fmt and r["agrees"]]
             first = FIRST_DEFAULTS[fmt.split()[0]]
-            default = next((f"{r['us']:.1f}" for r in timed if (r["block_n"], r["block_k"], r["num_splits"]) == first), "-")
+            default = next((f"{r['us']:.1f}" for r in timed if (r["block_n"], r["block_k"], r["num_splits"]) == first
+                            and not r.get("num_warps")), "-")
             best = min(timed, key=lambda r: r["us"])
             print(f"| {n} x {k} | {m} | {dense:.1f} | {fmt} | {default} | {best['us']:.1f} | "
-                  f"({best['block_n']}, {best['block_k']}, {best['num_splits'] or 'auto'}) | {dense / best['us']:.2f} |")
+                  f"({best['block_n']}, {best['block_k']}, {best['num_splits'] or 'auto'}"
+                  f"{', %d warps' % best['num_warps'] if best.get('num_warps') else ''}) | {dense / best['us']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)

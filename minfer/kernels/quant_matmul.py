@@ -201,6 +201,16 @@ def matmul_warps(dtype: torch.dtype) -> int:
     return 8 if dtype == torch.float32 else 4
 
 
+def int4_warps(dtype: torch.dtype, block_n: int, block_k: int) -> int:
+    """Warps per program for the int4 kernel: ``matmul_warps``, but for 16-bit activations no more threads than
+    the tile has int32 words (8 weights each). With fewer words than threads, the words are spread thinner than
+    the threads, and their loads and conversions repeat: group 32's 16 x 32 tile spends 30.5 instructions per
+    weight with 4 warps, 11.4 with 2 (sm_90, ``benchmarks/sass_inner_loop.py``)."""
+    if dtype == torch.float32:
+        return matmul_warps(dtype)
+    return max(1, min(matmul_warps(dtype), block_n * block_k // 8 // 32))
+
+
 def num_k_splits(x: torch.Tensor, tiles: int, k_steps: int) -> int:
     """How many slices of K to give each output tile: 1 off CUDA (the interpreter gains nothing) and
     wherever the tiles already give every SM two programs; else enough slices for that, each at least
@@ -261,12 +271,13 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, block_
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, *,
                 block_m: int = 16, block_n: int = INT4_BLOCK_N, block_k: Optional[int] = None,
-                num_splits: Optional[int] = 1) -> torch.Tensor:
+                num_splits: Optional[int] = 1, num_warps: Optional[int] = None) -> torch.Tensor:
     """The Triton kernel for ``int4_matmul_reference`` (same arguments, same result within float rounding).
 
     packed: uint8 [N, K // 2]; scale, minimum: float16 [N, K // group_size] (made contiguous if they are not). block_k must
     divide the group size (default: ``int4_block_k``); num_splits slices K (split-K; None:
-    ``num_k_splits`` chooses). Falls back to the reference off CUDA without TRITON_INTERPRET=1.
+    ``num_k_splits`` chooses); num_warps by default ``int4_warps``. Falls back to the reference off CUDA
+    without TRITON_INTERPRET=1.
     """
     n, k = packed.shape[0], packed.shape[1] * 2
     group_size = k // scale.shape[1]
@@ -275,11 +286,13 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, mini
         raise ValueError(f"block_k ({block_k}) must divide the group size ({group_size})")
     if not use_triton(x):
         return int4_matmul_reference(x, packed, scale, minimum)
+    if k % 8:
+        raise ValueError(f"the int4 kernel reads 8 columns per int32 word: K must be a multiple of 8, got {k}")
     packed, scale, minimum = packed.contiguous(), scale.contiguous(), minimum.contiguous()  # one stride per row
     words = packed.view(torch.int32)  # 8 codes per word: the kernel loads 4 bytes at a time
     x2, out, grid, k_per_split = _launch(x, n, k, block_m, block_n, block_k, num_splits)
     _int4_matmul_kernel[grid](x2, words, scale, minimum, out, x2.shape[0], n, k, k_per_split,
                               x2.stride(0), words.stride(0), scale.stride(0), out.stride(1), out.stride(0),
                               GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                              num_warps=matmul_warps(x.dtype))
+                              num_warps=num_warps or int4_warps(x.dtype, block_n, block_k))
     return _finish(out, x, n)
