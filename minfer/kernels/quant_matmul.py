@@ -29,11 +29,13 @@ registers, one tile at a time; memory is read in the small format.
   minimum per row: ``w = q * scale + min``. The packed bytes are loaded as int32 words, 8 codes each,
   and for 16-bit activations turned into floats without an int-to-float conversion: a code ORed into
   the mantissa of 1024.0 (float16) or 128.0 (bfloat16) makes that float plus the code, two codes per
-  32-bit operation (``_codes_as_floats``). Subtracting the constant is exact, and ``q * scale + min``
-  is one fused multiply-add in the activations' dtype, two weights per instruction. For float16 that
-  is the reference's float32 weight rounded to float16; bfloat16 rounds the float16 scale and minimum
-  to bfloat16 first (a relative error of 2**-9 on the scale, some thirty times smaller than int4's own
-  rounding, half a step), which a GPU run measures against the reference (tests/test_kernel_compile.py).
+  32-bit operation (``_codes_as_floats``). For float16, subtracting the constant is exact and
+  ``q * scale + min`` is one fused multiply-add, two weights per instruction (HFMA2), rounded once: the
+  reference's float32 weight rounded to float16. bfloat16 would round the float16 scale and minimum to
+  its 8 bits first (a few times the error of rounding the weight, measured on the outputs), so there
+  the multiply-add runs in float32 with the constant folded into the offset, ``(128 + q) * scale +
+  (min - 128 * scale)`` (exact enough: float32 carries 16 bits more than the bfloat16 result), and the
+  result is rounded to bfloat16: one FFMA per weight and a conversion per two.
   Float32 activations keep a shift, a mask and a conversion per weight: their products run on the
   CUDA cores, 16 multiply-adds per weight, which the conversion does not change much.
 
@@ -45,7 +47,7 @@ outputs and K steps of 256 bring int8 to 41 us (as fast as dense, from half the 
 K steps of 64 bring int4 to 245 us. (Those are for bfloat16 activations; float32 ones keep the shorter
 K steps, which their exact products need to fit in registers.) Those int4 times are for an earlier
 kernel that spent a shift, a mask, a conversion and a multiply-add per weight: 22.75 machine
-instructions per weight in its compiled K loop (sm_90, bfloat16), against 12.12 for this one
+instructions per weight in its compiled K loop (sm_90, bfloat16), against 14.00 for this one
 (``benchmarks/sass_inner_loop.py``, docs/kernels.md); this one has no GPU time yet.
 
 Split-K: cutting K into ``num_splits`` slices (a third grid axis) gives still more programs: each sums
@@ -171,9 +173,13 @@ def _int4_matmul_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, K_PE
             words = tl.load(w_ptr + cols[:, None] * stride_wn + (start // 8 + tl.arange(0, BLOCK_K // 8))[None, :],
                             mask=col_ok[:, None], other=0)
             magic: tl.constexpr = 1024.0 if dtype == tl.float16 else 128.0
-            # (magic + q) - magic is exact; q * scale + min is one fused multiply-add in the activations' dtype,
-            # two weights per instruction (HFMA2), rounded once, as the float32 weight was rounded to that dtype
-            w = (_codes_as_floats(words, dtype) - magic) * scale.to(dtype)[:, None] + minimum.to(dtype)[:, None]
+            codes = _codes_as_floats(words, dtype)  # magic + q, [BLOCK_N, BLOCK_K]
+            if dtype == tl.float16:  # (magic + q) - magic is exact; then one multiply-add per two weights (HFMA2)
+                w = (codes - magic) * scale[:, None] + minimum[:, None]
+            else:  # float32 math, rounded once to bfloat16: scale and minimum keep their float16 bits
+                scale32 = scale.to(tl.float32)
+                offset = minimum.to(tl.float32) - magic * scale32  # q * s + m = (magic + q) * s + (m - magic * s)
+                w = (codes.to(tl.float32) * scale32[:, None] + offset[:, None]).to(dtype)
         acc += tl.dot(x, tl.trans(w), input_precision="ieee")  # exact float32, as above
     tl.store(out_ptr + split * stride_osplit + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
