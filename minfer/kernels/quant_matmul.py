@@ -48,7 +48,8 @@ K steps of 64 bring int4 to 245 us. (Those are for bfloat16 activations; float32
 K steps, which their exact products need to fit in registers.) Those int4 times are for an earlier
 kernel that spent a shift, a mask, a conversion and a multiply-add per weight: 22.75 machine
 instructions per weight in its compiled K loop (sm_90, bfloat16), against 14.00 for this one
-(``benchmarks/sass_inner_loop.py``, docs/kernels.md); this one has no GPU time yet.
+(``benchmarks/sass_inner_loop.py``, docs/kernels.md); its times are yet to be measured with
+``tune_quant_matmul.py``.
 
 Split-K: cutting K into ``num_splits`` slices (a third grid axis) gives still more programs: each sums
 its slice into a float32 partial, and a ``sum`` over the slices finishes the job, at the price of that
@@ -210,8 +211,8 @@ def matmul_warps(dtype: torch.dtype) -> int:
 def int4_warps(dtype: torch.dtype, block_n: int, block_k: int) -> int:
     """Warps per program for the int4 kernel: ``matmul_warps``, but for 16-bit activations no more threads than
     the tile has int32 words (8 weights each). With fewer words than threads, the words are spread thinner than
-    the threads, and their loads and conversions repeat: group 32's 16 x 32 tile spends 30.5 instructions per
-    weight with 4 warps, 11.4 with 2 (sm_90, ``benchmarks/sass_inner_loop.py``)."""
+    the threads, and their loads and conversions repeat: group 32's 16 x 32 tile spends 30.0 instructions per
+    weight with 4 warps, 11.1 with 2 (sm_90, float16, ``benchmarks/sass_inner_loop.py``)."""
     if dtype == torch.float32:
         return matmul_warps(dtype)
     return max(1, min(matmul_warps(dtype), block_n * block_k // 8 // 32))
