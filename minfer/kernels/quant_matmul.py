@@ -45,11 +45,11 @@ are what put many SMs to work. ``benchmarks/tune_quant_matmul.py`` times every c
 K steps of 64 or 32 take 111 us in int8 and 772 us in int4, against 42 us for dense bfloat16; 32
 outputs and K steps of 256 bring int8 to 41 us (as fast as dense, from half the bytes), 16 outputs and
 K steps of 64 bring int4 to 245 us. (Those are for bfloat16 activations; float32 ones keep the shorter
-K steps, which their exact products need to fit in registers.) Those int4 times are for an earlier
-kernel that spent a shift, a mask, a conversion and a multiply-add per weight: 22.75 machine
-instructions per weight in its compiled K loop (sm_90, bfloat16), against 14.00 for this one
-(``benchmarks/sass_inner_loop.py``, docs/kernels.md); its times are yet to be measured with
-``tune_quant_matmul.py``.
+K steps, which their exact products need to fit in registers.) The int4 times were measured with a
+shift, a mask, a conversion and a multiply-add per weight: 22.75 machine instructions per weight in
+the compiled K loop (sm_90, bfloat16). The conversion-free loop described above takes 14.00
+(``benchmarks/sass_inner_loop.py``, docs/kernels.md); timing it is ``tune_quant_matmul.py``'s job on
+a GPU.
 
 Split-K: cutting K into ``num_splits`` slices (a third grid axis) gives still more programs: each sums
 its slice into a float32 partial, and a ``sum`` over the slices finishes the job, at the price of that
