@@ -52,3 +52,12 @@ def test_setup_notebook_prints_one_line_and_stays_put_off_colab(capsys, monkeypa
     setup_notebook()
     assert capsys.readouterr().out == "minfer on the CPU: dtype='auto' is torch.float32\n"
     assert Path.cwd() == tmp_path
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[nb.stem for nb in NOTEBOOKS])
+def test_every_cell_has_a_unique_id(notebook: Path) -> None:
+    """nbformat 4.5 wants an id on every cell; without one the notebook does not validate, JupyterLab cannot trust it,
+    and its saved widgets show as text."""
+    cells = json.loads(notebook.read_text())["cells"]
+    ids = [cell.get("id") for cell in cells]
+    assert None not in ids and len(set(ids)) == len(ids), f"{notebook.name}: cells without an id or with the same one"
