@@ -86,6 +86,12 @@ def max_usable_blocks(config: EngineConfig) -> int:
     return config.max_num_seqs * blocks_per_sequence(config)
 
 
+def profiles_memory(config: EngineConfig, device: torch.device) -> bool:
+    """Whether ModelRunner's constructor runs a full-size forward pass to size the KV pool (`_blocks_for_memory`):
+    on CUDA, when neither a block count nor a memory budget is given."""
+    return not config.num_gpu_blocks_override and device.type == "cuda" and config.kv_cache_memory_bytes is None
+
+
 @torch.inference_mode()
 def profile_forward(model: torch.nn.Module, tokens: int, max_model_len: int) -> None:
     """One forward pass over `tokens` tokens without a KV cache: the largest step's activations, for
@@ -138,7 +144,7 @@ class ModelRunner:
         config, weight = self.config, self.model.embed_tokens.weight
         per_block = self.model.config.kv_bytes_per_token(weight.dtype, config.kv_cache_dtype) * config.block_size
         memory = config.kv_cache_memory_bytes
-        if memory is None and self.device.type == "cuda":
+        if profiles_memory(config, self.device):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
             profile_forward(self.model, config.max_num_batched_tokens, config.max_model_len)

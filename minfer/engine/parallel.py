@@ -54,7 +54,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from minfer.config import EngineConfig, ModelConfig, allowed_group_sizes
-from minfer.engine.model_runner import ModelRunner, PreparedStep
+from minfer.engine.model_runner import ModelRunner, PreparedStep, profiles_memory
 from minfer.engine.tp_worker import Call, Channel, PoolSpec, ProfileSize, StepInputs, Worker, broadcast_payload
 from minfer.layers.attention import get_attention_fn
 from minfer.layers.linear import pack_linears
@@ -249,12 +249,6 @@ class ParallelModelRunner(ModelRunner):
         self.workers.call("step", StepInputs(step.input_ids[0].tolist(), step.positions[0].tolist(), paged.num_tokens,
                                              paged.slices, paged.use_kernels))
         return step
-
-
-def profiles_memory(config: EngineConfig, device: torch.device) -> bool:
-    """Whether ModelRunner's constructor runs a full-size forward pass to size the KV pool (`_blocks_for_memory`):
-    on CUDA, when neither a block count nor a memory budget is given."""
-    return not config.num_gpu_blocks_override and device.type == "cuda" and config.kv_cache_memory_bytes is None
 
 
 def worker_main(rank: int, world_size: int, port: int, backend: str, config: ModelConfig, weights: dict,
