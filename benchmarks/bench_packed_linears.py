@@ -20,7 +20,7 @@ from minfer import LLM
 from minfer.bench.common import best_time
 from minfer.layers import linear
 from minfer.layers.linear import WIDE_FROM_ROWS, PackedLinear, bf16_autocast, packed_dtype, unpack_linears
-from minfer.spec.distill import final_hidden
+from minfer.speculative.distill import final_hidden
 
 ROWS = (1, 2, 3, 4, 8, 16, 64, 256)
 TOKENS = (1, 8, 32, 256)

@@ -10,7 +10,7 @@ draft ("smollm2-135m-draft") and the same-shape undistilled draft, each for k in
 draft tokens. For each: decode tokens/s; vLLM's metrics under vLLM's names (draft_acceptance_rate
 = accepted / proposed draft tokens, mean_acceptance_length = tokens per verification pass); the
 per-token alpha of the formula (acceptance given the earlier drafts accepted, maximum-likelihood:
-accepted / (accepted + rejections), see minfer/spec/stats.py); the draft cost ratio c (one draft
+accepted / (accepted + rejections), see minfer/speculative/stats.py); the draft cost ratio c (one draft
 decode step / one target decode step) and the verify cost v (a target pass over k+1 positions /
 a pass over one), both measured here; and the speedup the formula predicts,
 (1 - alpha^(k+1)) / ((1 - alpha)(v + k c)), with v = 1 (Leviathan et al., 2023) and with the
@@ -31,7 +31,7 @@ from minfer import LLM
 from minfer.bench.common import machine_info, quiet, write_docs_section
 from minfer.bench.spec import (chat_prompts, cost_ratio, decode_rate, expected_speedup, forward_cost, grounded_prompts,
                                verify_costs)
-from minfer.spec import make_proposer
+from minfer.speculative import make_proposer
 
 DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"  # this checkout's docs page
 
@@ -127,7 +127,7 @@ def format_markdown(result: dict, command: str) -> str:
               "the machine is shared and its load drifts. " + CLOCK_NOTE[result["clock"]] + " "
               "draft_acceptance_rate and mean_acceptance_length are vLLM's metrics. alpha is the formula's: the "
               "chance that a draft token is accepted given that the ones before it were, estimated by maximum "
-              "likelihood as accepted / (accepted + rejections) (minfer/spec/stats.py). draft_acceptance_rate is "
+              "likelihood as accepted / (accepted + rejections) (minfer/speculative/stats.py). draft_acceptance_rate is "
               "smaller and falls with k, because a late draft token only counts once every earlier one was accepted. "
               "The predictions use the measured alpha and c; the second also charges the verification pass its "
               "measured cost v instead of one step. What the formula still leaves out: n-gram lookup finds no "

@@ -25,8 +25,8 @@ from tqdm.auto import tqdm
 
 from minfer import LLM, SamplingParams
 from minfer.bench.spec import CHAT_QUESTIONS
-from minfer.spec.distill import greedy_acceptance, select_head_tokens, teacher_topk, train_draft
-from minfer.spec.pruned_draft import DISTILLED, DRAFTS_DIR, init_draft_from_target, save_draft
+from minfer.speculative.distill import greedy_acceptance, select_head_tokens, teacher_topk, train_draft
+from minfer.speculative.pruned_draft import DISTILLED, DRAFTS_DIR, init_draft_from_target, save_draft
 
 SUBJECTS = ["Python lists", "the moon", "coffee", "photosynthesis", "the French Revolution", "prime numbers",
             "a rainy day", "friendship", "machine learning", "the ocean", "bicycles", "volcanoes", "music",

@@ -16,7 +16,7 @@ never one above, and nothing imports in a circle (tests/test_import_layers.py ho
     kv_cache.py        a contiguous KV cache (chapter 02), one of the caches attention writes to
     models/            the decoder and its loading
     quant/             quantization applied to a loaded model; moe/carve.py, experts carved from it
-    engine/            the serving engine, one scheduled step at a time; spec/, speculative decoding
+    engine/            the serving engine, one scheduled step at a time; speculative/, speculative decoding
     generate.py        the simple loop of chapters 00-02: static batches over a contiguous KV cache
     llm.py             LLM, the entry point
     serving/           the OpenAI-compatible HTTP server around an LLM
@@ -32,7 +32,7 @@ Course code sits on top and may use all of it; the library never imports it:
     router.py          a router: easy requests to a cheap model, hard ones to the full model (chapter 08)
     router_tasks.py    the router's labelled, checkable tasks, made in code
     glass.py           a notebook's window on a running engine: its KV pool, queues and last step
-    moe/tiny.py, quant/qat.py, spec/distill.py   the course's training code (chapters 10, 06b, 08)
+    moe/tiny.py, quant/qat.py, speculative/distill.py   the course's training code (chapters 10, 06b, 08)
 """
 from minfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minfer.sampling_params import SamplingParams

@@ -142,7 +142,7 @@ class EngineConfig:
     enable_prefix_caching.
 
     Speculative decoding: speculative_model ('[ngram]', a model name or path with the target's
-    tokenizer, a shipped draft such as 'smollm2-135m-draft', a LlamaModel, or a `minfer.spec.Proposer`) with
+    tokenizer, a shipped draft such as 'smollm2-135m-draft', a LlamaModel, or a `minfer.speculative.Proposer`) with
     num_speculative_tokens (1-16), both or neither. `from_kwargs` also takes vLLM's current form,
     speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
     "prompt_lookup_min": 1} or {"model": name_or_path, "num_speculative_tokens": k} (n-gram sizes of its
@@ -295,7 +295,7 @@ SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_
 
 
 def check_prompt_lookup(prompt_lookup_max, prompt_lookup_min) -> None:
-    """The n-gram sizes of prompt lookup (`minfer.spec.ngram`): integers with 1 <= min <= max."""
+    """The n-gram sizes of prompt lookup (`minfer.speculative.ngram`): integers with 1 <= min <= max."""
     if not all(isinstance(n, int) and not isinstance(n, bool) for n in (prompt_lookup_max, prompt_lookup_min)):
         raise ValueError(f"prompt_lookup_max and prompt_lookup_min must be integers, got {prompt_lookup_max!r}, "
                          f"{prompt_lookup_min!r}")
@@ -306,7 +306,7 @@ def check_prompt_lookup(prompt_lookup_max, prompt_lookup_min) -> None:
 @dataclass(frozen=True)
 class NgramLookup:
     """speculative_config's n-gram prompt lookup with its own sizes, as a speculative_model: the engine
-    makes the `minfer.spec.NgramProposer` from it (`minfer.spec.make_proposer`)."""
+    makes the `minfer.speculative.NgramProposer` from it (`minfer.speculative.make_proposer`)."""
 
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1

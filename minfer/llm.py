@@ -81,7 +81,7 @@ class LLM:
     bfloat16 in the same memory (served by the paged engine, not by batching="static"); 'fp8'
     stores e4m3 with a float32 scale per layer and KV head, calibrated when the engine is built: 2x.
 
-    Speculative decoding (see `minfer.spec`): speculative_model '[ngram]' (prompt lookup), a model
+    Speculative decoding (see `minfer.speculative`): speculative_model '[ngram]' (prompt lookup), a model
     name or path with the target's tokenizer, or a shipped draft such as 'smollm2-135m-draft'. The
     output keeps exactly the target's distribution. Metrics: `llm.engine.spec_stats`.
     """

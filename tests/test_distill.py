@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from minfer.spec.distill import distillation_loss, greedy_acceptance, select_head_tokens, teacher_topk, train_draft
-from minfer.spec.pruned_draft import KNOWN_DRAFTS, init_draft_from_target, load_draft, prune_mlp, save_draft
+from minfer.speculative.distill import distillation_loss, greedy_acceptance, select_head_tokens, teacher_topk, train_draft
+from minfer.speculative.pruned_draft import KNOWN_DRAFTS, init_draft_from_target, load_draft, prune_mlp, save_draft
 from minfer.testing import tiny_llama
 
 
@@ -113,7 +113,7 @@ def test_the_shipped_weights_are_package_data():
     import tomllib
     from pathlib import Path
 
-    from minfer.spec.pruned_draft import DRAFTS_DIR
+    from minfer.speculative.pruned_draft import DRAFTS_DIR
 
     root = Path(__file__).resolve().parents[1]
     patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["minfer"]

@@ -30,7 +30,7 @@ LAYERS = [
     ("models", ["minfer.models"]),                        # the decoder and its loading
     ("quant", ["minfer.quant", "minfer.moe",              # transforms of a loaded model: quantizers, carved experts
                "minfer.moe.carve"]),
-    ("engine", ["minfer.engine", "minfer.spec",           # the serving engine, speculative decoding,
+    ("engine", ["minfer.engine", "minfer.speculative",    # the serving engine, speculative decoding,
                 "minfer.generate"]),                      # and the simple static-batch loop
     ("llm", ["minfer.llm"]),                              # LLM, the entry point
     ("serving", ["minfer.serving"]),                      # the HTTP server around an LLM
@@ -38,7 +38,7 @@ LAYERS = [
     ("lab", LAB := [                                      # course code: may import all of the above
         "minfer.bench", "minfer.__main__", "minfer.evaluate", "minfer.course", "minfer.testing",
         "minfer.router", "minfer.router_tasks", "minfer.glass",
-        "minfer.moe.tiny", "minfer.quant.qat", "minfer.spec.distill",  # the training code of chapters 10, 06b, 08
+        "minfer.moe.tiny", "minfer.quant.qat", "minfer.speculative.distill",  # the training code of chapters 10, 06b, 08
     ]),
 ]
 # The library (every layer but "lab") never imports course code.
@@ -246,12 +246,12 @@ def test_the_checks_see_lazy_imports_and_package_inits():
     """The parser itself: an import inside a function counts, one under `if TYPE_CHECKING:` does not, and a
     cycle through a package's __init__.py is found."""
     tree = ast.parse("import os\nif TYPE_CHECKING:\n    from minfer.llm import LLM\nelse:\n    import minfer.texts\n"
-                     "def f():\n    from minfer.spec.ngram import NgramProposer\n")
+                     "def f():\n    from minfer.speculative.ngram import NgramProposer\n")
     assert [getattr(n, "module", None) or n.names[0].name for n in _import_nodes(tree)] == \
-        ["os", "minfer.texts", "minfer.spec.ngram"]
+        ["os", "minfer.texts", "minfer.speculative.ngram"]
     a, b, c = (Import(x, y, PACKAGE / "x.py", 1) for x, y in (("m.a", "m.p"), ("m.p", "m.b"), ("m.b", "m.a")))
     assert [[imp.importer for imp in cycle] for cycle in find_cycles([a, b, c])] == [["m.a", "m.p", "m.b"]]
-    assert layer_of("minfer.spec.distill") == "lab" and layer_of("minfer.spec.ngram") == "engine"
+    assert layer_of("minfer.speculative.distill") == "lab" and layer_of("minfer.speculative.ngram") == "engine"
     assert layer_of("minfer") == "package" and layer_of("minfer.kernels.fused_moe") == "kernels"
 
 

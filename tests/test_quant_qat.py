@@ -13,7 +13,7 @@ from minfer.quant.awq import fake_quantize_int4
 from minfer.quant.linear import Int4Linear, quantize_model
 from minfer.quant.qat import (FakeQuantLinear, finish_qat, logits_of, model_perplexity, prepare_qat,
                               quantization_errors, straight_through, train_qat, training_topics)
-from minfer.spec.distill import distillation_loss
+from minfer.speculative.distill import distillation_loss
 from minfer.texts import EVAL_TOPICS, eval_text, eval_tokens
 
 

@@ -8,7 +8,7 @@ import torch
 from minfer.bench.spec import cost_ratio
 from minfer.router import (Answer, Router, candidate_thresholds, cheapest_threshold, evaluate_routing, greedy_answer,
                            greedy_answers, route, routing_cost, separation_auc, threshold_sweep)
-from minfer.spec.pruned_draft import init_draft_from_target
+from minfer.speculative.pruned_draft import init_draft_from_target
 from minfer.testing import tiny_llama
 
 

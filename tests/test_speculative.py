@@ -17,8 +17,8 @@ from minfer.models.llama import LlamaModel
 from minfer.models.loader import load_model
 from minfer.outputs import RequestMetrics
 from minfer.sequence import Sequence
-from minfer.spec import DraftModelProposer, NgramProposer, Proposer, SpecDecodeStats, ngram_lookup, rejection_sample
-from minfer.spec.stats import alpha_from_mean_acceptance_length, expected_tokens_per_pass
+from minfer.speculative import DraftModelProposer, NgramProposer, Proposer, SpecDecodeStats, ngram_lookup, rejection_sample
+from minfer.speculative.stats import alpha_from_mean_acceptance_length, expected_tokens_per_pass
 
 VOCAB = 512  # the vocabulary of tiny_small_vocab_dir: small enough to keep the sampling test fast and enumerable
 
@@ -138,7 +138,7 @@ def test_rejection_sampling_with_one_hot_guesses():
 # ------------------------------------------------------------------ the engine, sampling
 def exact_joint(model, prompt, top_k, length):
     """The target's exact probability of every top-k continuation of `length` tokens."""
-    from minfer.spec import processed_probs
+    from minfer.speculative import processed_probs
 
     params = SamplingParams(temperature=1.0, top_k=top_k)
     joint = {(): 1.0}

@@ -21,7 +21,7 @@ from minfer.models.llama import LlamaModel
 from minfer.quant.linear import quantize_model
 from minfer.router import (SIGNALS, RoutingResult, cheapest_threshold, evaluate_routing, route, separation_auc,
                            threshold_sweep)
-from minfer.spec.pruned_draft import init_draft_from_target, load_draft
+from minfer.speculative.pruned_draft import init_draft_from_target, load_draft
 from minfer.texts import calibration_token_ids
 
 

@@ -25,8 +25,8 @@ from minfer.bench.common import synchronize
 from minfer.kv_cache import KVCache
 from minfer.models.llama import LlamaModel
 from minfer.sampling_params import SamplingParams
-from minfer.spec.proposer import Proposer
-from minfer.spec.stats import SpecDecodeStats, expected_tokens_per_pass
+from minfer.speculative.proposer import Proposer
+from minfer.speculative.stats import SpecDecodeStats, expected_tokens_per_pass
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # "cpu": for a CPU device, see decode_rate
 

@@ -20,5 +20,5 @@ Beside the step:
     parallel.py         tensor parallelism: rank 0 runs the engine, workers run their shard of every layer
     tp_worker.py        ... the calls rank 0 sends them (a method name, dataclass arguments) and the worker's side
 
-Speculative decoding, which the engine runs when asked, is its own package: `minfer/spec/`.
+Speculative decoding, which the engine runs when asked, is its own package: `minfer/speculative/`.
 """

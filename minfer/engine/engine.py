@@ -17,7 +17,7 @@ Where a request goes, file by file:
     structured_output.py  a requested shape (JSON schema, regex, choice, grammar) as a mask before sampling
     paged_kv.py        the KV pool, and attention over it during the forward pass
 
-With speculative decoding (a proposer, see minfer/spec), each decoding sequence first gets up to
+With speculative decoding (a proposer, see minfer/speculative), each decoding sequence first gets up to
 k draft tokens appended tentatively; its chunk is then 1 + k tokens, the pass returns logits at
 all of them, and `_accept_drafts` keeps the accepted drafts plus one token and rolls the sequence
 back past the rest (num_computed, sealed blocks and block table cover accepted tokens only).
@@ -41,7 +41,7 @@ from minfer.models.llama import LlamaModel
 from minfer.models.moe import last_expert_load, moe_blocks
 from minfer.outputs import RequestOutput
 from minfer.sequence import Request, Sequence
-from minfer.spec import Proposer, SpecDecodeStats, make_proposer, verify
+from minfer.speculative import Proposer, SpecDecodeStats, make_proposer, verify
 
 
 @dataclass
@@ -100,7 +100,7 @@ class Engine:
         """config: an EngineConfig, or its fields as keywords (vLLM's names; see `minfer.config`).
         With config.speculative_model (a name, a model, or a `Proposer` of your own), every decoding
         sequence gets up to config.num_speculative_tokens draft tokens, verified in the same pass as
-        its last token (see minfer/spec). use_kernels: see `ModelRunner` (None: the Triton kernels on CUDA).
+        its last token (see minfer/speculative). use_kernels: see `ModelRunner` (None: the Triton kernels on CUDA).
         runner: a model runner made already (tensor parallelism's, `minfer.engine.parallel`).
         eos_token_ids: more tokens that end a sequence beside the tokenizer's eos_token_id (a
         checkpoint's generation_config.json lists them)."""

@@ -42,7 +42,7 @@ from minfer.evaluate import context_windows
 from minfer.layers.linear import bf16_autocast, linear_like
 from minfer.models.llama import DecoderLayer
 from minfer.quant.awq import fake_quantize_int4
-from minfer.spec.distill import distillation_loss, final_hidden, run_training
+from minfer.speculative.distill import distillation_loss, final_hidden, run_training
 from minfer.texts import EVAL_TOPICS, eval_text
 
 QAT_GROUP_SIZE = 64

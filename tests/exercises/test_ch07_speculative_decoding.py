@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from minfer.spec import SpecDecodeStats, ngram_lookup
+from minfer.speculative import SpecDecodeStats, ngram_lookup
 
 
 def one_hot(token: int, vocab: int) -> torch.Tensor:

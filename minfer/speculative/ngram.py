@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from minfer.config import check_prompt_lookup
 from minfer.sequence import Sequence
-from minfer.spec.proposer import Proposal, Proposer
+from minfer.speculative.proposer import Proposal, Proposer
 
 
 def ngram_lookup(token_ids: list[int], num_tokens: int, max_n: int = 4, min_n: int = 1) -> list[int]:

@@ -9,7 +9,7 @@ layers, the norm and the K head rows (`save_draft`, `load_draft`). "smollm2-135m
 is the same shape built from the target with no training (`init_draft_from_target`).
 
 How the shipped weights were trained (the loss, the teacher's top-k, the training loop) is
-`minfer.spec.distill`, course code that builds on this module; the engine never imports it.
+`minfer.speculative.distill`, course code that builds on this module; the engine never imports it.
 """
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def load_draft(name_or_path: str, target: LlamaModel, dtype: torch.dtype = torch
     folder = DRAFTS_DIR / DISTILLED if name_or_path in KNOWN_DRAFTS else Path(str(name_or_path))
     if not (folder / "config.json").is_file():
         raise ValueError(f"unknown draft model {name_or_path!r}: use one of {list(KNOWN_DRAFTS)} "
-                         "or a folder with config.json and model.safetensors from minfer.spec.pruned_draft.save_draft")
+                         "or a folder with config.json and model.safetensors from minfer.speculative.pruned_draft.save_draft")
     meta = json.loads((folder / "config.json").read_text())
     if (meta["hidden_size"], meta["vocab_size"]) != (target.config.hidden_size, target.config.vocab_size):
         raise ValueError(f"draft {name_or_path!r} fits a target with hidden size {meta['hidden_size']} and "

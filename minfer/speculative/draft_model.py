@@ -28,8 +28,8 @@ from minfer.kv_cache import KVCache
 from minfer.layers.sampler import draw
 from minfer.models.llama import LlamaModel
 from minfer.sequence import Sequence
-from minfer.spec.proposer import Proposal, Proposer
-from minfer.spec.rejection import processed_probs
+from minfer.speculative.proposer import Proposal, Proposer
+from minfer.speculative.rejection import processed_probs
 
 
 class DraftModelProposer(Proposer):

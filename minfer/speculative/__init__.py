@@ -27,12 +27,12 @@ import torch
 from minfer.config import NgramLookup
 from minfer.models.llama import LlamaModel
 from minfer.models.loader import KNOWN_MODELS, load_model
-from minfer.spec.draft_model import DraftModelProposer
-from minfer.spec.ngram import NgramProposer, ngram_lookup
-from minfer.spec.proposer import Proposal, Proposer
-from minfer.spec.pruned_draft import load_draft
-from minfer.spec.rejection import greedy_verify, processed_probs, rejection_sample, verify
-from minfer.spec.stats import SpecDecodeStats
+from minfer.speculative.draft_model import DraftModelProposer
+from minfer.speculative.ngram import NgramProposer, ngram_lookup
+from minfer.speculative.proposer import Proposal, Proposer
+from minfer.speculative.pruned_draft import load_draft
+from minfer.speculative.rejection import greedy_verify, processed_probs, rejection_sample, verify
+from minfer.speculative.stats import SpecDecodeStats
 
 __all__ = ["Proposer", "Proposal", "NgramProposer", "DraftModelProposer", "SpecDecodeStats", "make_proposer",
            "ngram_lookup", "rejection_sample", "greedy_verify", "processed_probs", "verify"]
@@ -41,7 +41,7 @@ __all__ = ["Proposer", "Proposal", "NgramProposer", "DraftModelProposer", "SpecD
 def make_proposer(speculative_model, target: LlamaModel, tokenizer, max_model_len: int, dtype: torch.dtype,
                   device: torch.device) -> Optional[Proposer]:
     """A Proposer -> itself; '[ngram]' -> NgramProposer; a LlamaModel, a model name/path, or a shipped draft name
-    (minfer.spec.pruned_draft, e.g. 'smollm2-135m-draft') -> DraftModelProposer; an NgramLookup (speculative_config's
+    (minfer.speculative.pruned_draft, e.g. 'smollm2-135m-draft') -> DraftModelProposer; an NgramLookup (speculative_config's
     n-gram sizes, `minfer.config`) -> NgramProposer with those sizes; None -> None."""
     if speculative_model is None or isinstance(speculative_model, Proposer):
         return speculative_model
@@ -68,7 +68,7 @@ def _load_draft(name: str, target: LlamaModel, tokenizer, dtype: torch.dtype, de
 
 
 def _is_draft_folder(path: str) -> bool:
-    """A folder written by minfer.spec.pruned_draft.save_draft (its config.json lists the head's token ids)."""
+    """A folder written by minfer.speculative.pruned_draft.save_draft (its config.json lists the head's token ids)."""
     config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
         return False

@@ -25,7 +25,7 @@ a busy machine):
     OMP_NUM_THREADS=1 python benchmarks/train_draft.py
 
 The draft's shape and its files (`DraftModel`, `init_draft_from_target`, `save_draft`, `load_draft`)
-are `minfer.spec.pruned_draft`, which the engine uses; this module is how the weights were trained.
+are `minfer.speculative.pruned_draft`, which the engine uses; this module is how the weights were trained.
 
 Load by name: `load_draft("smollm2-135m-draft", target, dtype, device)`. The baseline
 "smollm2-135m-draft-undistilled" has the same shape and is exactly the distilled draft's
@@ -45,7 +45,7 @@ from minfer.layers.linear import bf16_autocast
 from minfer.models.llama import LlamaModel
 # the draft's shape and files live with the engine, which loads the shipped draft; init_draft_from_target and
 # load_draft are also imported from here by the chapter 08 notebook
-from minfer.spec.pruned_draft import DraftModel, init_draft_from_target, load_draft  # noqa: F401
+from minfer.speculative.pruned_draft import DraftModel, init_draft_from_target, load_draft  # noqa: F401
 
 
 def select_head_tokens(counts: torch.Tensor, k: int) -> torch.Tensor:

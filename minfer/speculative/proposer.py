@@ -2,7 +2,7 @@
 
 A proposer looks at each sequence's tokens so far and returns up to k guesses per sequence,
 with the probabilities it drew them from (None when it is deterministic: n-gram lookup, or a
-draft model decoding greedily). The verifier (`minfer.spec.rejection`) treats None as a
+draft model decoding greedily). The verifier (`minfer.speculative.rejection`) treats None as a
 one-hot distribution on the guessed token, which is exactly what a deterministic guess is.
 """
 from __future__ import annotations
