@@ -142,7 +142,7 @@ class EngineConfig:
     enable_prefix_caching.
 
     Speculative decoding: speculative_model ('[ngram]', a model name or path with the target's
-    tokenizer, a shipped draft such as 'smollm2-135m-draft', a LlamaModel, or a `minfer.speculative.Proposer`) with
+    tokenizer, a shipped draft such as 'smollm2-135m-draft' or EAGLE head 'smollm2-135m-eagle', a LlamaModel, or a `minfer.speculative.Proposer`) with
     num_speculative_tokens (1-16), both or neither. `from_kwargs` also takes vLLM's current form,
     speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
     "prompt_lookup_min": 1} or {"model": name_or_path, "num_speculative_tokens": k} (n-gram sizes of its
@@ -228,9 +228,6 @@ class EngineConfig:
         check_quantization_args(self.quantization, self.quantization_group_size)
         self._check_speculative_args()
         check_carve_args(self.carve_experts, self.carve_top_k)
-        if self.carve_experts is not None and (self.quantization is not None or self.tensor_parallel_size > 1):
-            raise ValueError("carve_experts runs on an unquantized model in one process: leave quantization=None and "
-                             f"tensor_parallel_size=1, got {self.quantization!r} and {self.tensor_parallel_size!r}")
 
     def _check_speculative_args(self) -> None:
         model, k = self.speculative_model, self.num_speculative_tokens
@@ -330,11 +327,11 @@ def speculative_args(spec: Any) -> dict[str, Any]:
     lookup = {k: spec[k] for k in ("prompt_lookup_max", "prompt_lookup_min") if k in spec}
     if method == "ngram" and model is None:
         proposer = NgramLookup(**lookup) if lookup else "[ngram]"
-    elif method in (None, "draft_model") and model is not None and not lookup:
-        proposer = model
+    elif method in (None, "draft_model", "eagle") and model is not None and not lookup:
+        proposer = model  # an EAGLE head is told apart by its config (minfer.speculative.eagle_head.is_eagle)
     else:
         raise ValueError("speculative_config needs method 'ngram' (prompt lookup; prompt_lookup_max/min allowed) or a "
-                         f"draft as 'model' (method 'draft_model' or none), got {spec!r}")
+                         f"draft as 'model' (method 'draft_model', 'eagle' or none), got {spec!r}")
     return {"speculative_model": proposer, "num_speculative_tokens": spec.get("num_speculative_tokens")}
 
 

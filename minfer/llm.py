@@ -15,21 +15,16 @@ import torch
 from tqdm.auto import tqdm
 
 from minfer.config import EngineConfig
+from minfer.engine.build import build_model, check_combinations, plan
 from minfer.engine.engine import Engine
-from minfer.engine.parallel import ParallelModelRunner, TensorParallelWorkers, check_tensor_parallel
+from minfer.engine.parallel import ParallelModelRunner, TensorParallelWorkers
 from minfer.generate import generate_static_batch
 from minfer.layers.attention import AttentionFn, get_attention_fn
-from minfer.layers.linear import pack_linears
 from minfer.layers.sampler import signed_seed
-from minfer.models.llama import LlamaModel
 from minfer.models.loader import DEFAULT_MODEL, load_model
-from minfer.moe.carve import carve_model
 from minfer.outputs import RequestMetrics, RequestOutput
-from minfer.quant.checkpoint import build_quantized_model
-from minfer.quant.linear import CALIBRATED_METHODS, quantize_model
 from minfer.sampling_params import SamplingParams
 from minfer.sequence import Request, Sequence
-from minfer.texts import calibration_token_ids
 
 PromptType = Union[str, dict]  # a string, {"prompt": str} or {"prompt_token_ids": [...]} (vLLM's TextPrompt, TokensPrompt)
 CHAT_ROLES = ("system", "user", "assistant", "developer")  # "developer": OpenAI's newer name for "system"
@@ -88,6 +83,7 @@ class LLM:
 
     def __init__(self, model: str = DEFAULT_MODEL, *, attention: Union[str, AttentionFn] = "sdpa", **engine_args) -> None:
         config = EngineConfig.from_kwargs("LLM()", model=model, **engine_args)
+        check_combinations(config, None, None, attention)  # what the arguments alone refuse, before loading
         loaded = load_model(config.model, config.dtype, check_config=config.fit_to_model)
         self.config, self.tokenizer, self.model_path = loaded.config, loaded.tokenizer, loaded.path
         eos = loaded.eos_token_ids  # the generation config's, beside the tokenizer's
@@ -97,38 +93,17 @@ class LLM:
         # them over, so that their owners still see every request finish
         self._held_outputs: dict[str, RequestOutput] = {}
         self._request_counter = 0
-        self.tensor_parallel_size = config.tensor_parallel_size
-        if config.tensor_parallel_size > 1:  # workers hold the other shards (minfer.engine.parallel)
-            check_tensor_parallel(config, loaded.config, attention, loaded.quantization is not None)
-            workers = TensorParallelWorkers(loaded, config, attention)
-            del loaded
+        build = plan(config, loaded.config, loaded.quantization, attention)  # and what needs the model
+        self.tensor_parallel_size = build.tensor_parallel_size
+        runner = None
+        if build.tensor_parallel_size > 1:  # workers hold the other shards (minfer.engine.parallel)
+            workers = TensorParallelWorkers(build, loaded)
             self.model = workers.model
-            self.engine = Engine(self.model, self.tokenizer, config, runner=ParallelModelRunner(self.model, config, workers),
-                                 eos_token_ids=eos)
-            return
-        if loaded.quantization is not None:  # a saved quantized checkpoint (minfer.quant.checkpoint): as stored
-            method, group_size = loaded.quantization["method"], loaded.quantization["group_size"]
-            if config.quantization not in (None, method) or config.quantization_group_size not in (None, group_size):
-                raise ValueError(f"{loaded.path} is a {method!r} checkpoint (group size {group_size}): pass "
-                                 f"quantization=None or {method!r} and no other group size, not "
-                                 f"{config.quantization!r} with {config.quantization_group_size!r}")
-            if config.carve_experts is not None:
-                raise ValueError(f"{loaded.path} is a quantized checkpoint: carve_experts needs an unquantized model")
-            self.model = build_quantized_model(loaded, config.dtype, config.device)
+            runner = ParallelModelRunner(self.model, config, workers)
         else:
-            self.model = LlamaModel.from_weights(loaded.config, loaded.weights, config.dtype, config.device)
-        quantize_now = config.quantization is not None and loaded.quantization is None
+            self.model = build_model(build, loaded)
         del loaded
-        if quantize_now:
-            calibration = calibration_token_ids(self.tokenizer) if config.quantization in CALIBRATED_METHODS else None
-            quantize_model(self.model, config.quantization, config.quantization_group_size,
-                           calibration_token_ids=calibration)
-        if config.carve_experts is not None:  # the dense MLPs split into experts (minfer.moe.carve)
-            carve_model(self.model, calibration_token_ids(self.tokenizer), config.carve_experts, config.carve_top_k)
-        if config.device.type == "cpu":
-            pack_linears(self.model)  # oneDNN's layout, once: faster matmuls (minfer.layers.linear)
-        self.set_attention(attention)
-        self.engine = Engine(self.model, self.tokenizer, config, eos_token_ids=eos)  # it makes the draft proposer, if any
+        self.engine = Engine(self.model, self.tokenizer, config, runner=runner, eos_token_ids=eos)  # and the draft, if any
 
     @property
     def max_model_len(self) -> int:

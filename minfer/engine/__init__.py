@@ -15,6 +15,7 @@ Where a request goes, file by file:
 
 Beside the step:
 
+    build.py            which features combine (`plan`, every refusal in one table) and building a rank's model
     buckets.py          the token counts a step is padded up to, so the matmuls meet a bounded set of shapes
     kv_calibration.py   an fp8 KV pool's static scales: one pass over the calibration text, |k| and |v| recorded
     parallel.py         tensor parallelism: rank 0 runs the engine, workers run their shard of every layer

@@ -26,7 +26,7 @@ replicated, they cost memory on every device (SmolLM2-135M: 49152 x 576, tied, 2
 For a small model that is the better trade; for a 70B model (128256 x 8192 twice, 4.2 GB in
 bfloat16) vocabulary-parallel is what vLLM does.
 
-Not supported with N > 1 (each refused with a ValueError): speculative decoding, the calibrated
+Not supported with N > 1 (each refused with a ValueError by `minfer.engine.build.plan`): speculative decoding, the calibrated
 quantizations 'awq' and 'gptq' (calibration runs the whole model) and saved quantized checkpoints,
 compiled decode (enforce_eager=False), attention functions other than a backend's name, mixture of
 experts. 'int8', 'int4' and 'nf4' quantize each shard after slicing (the group size must divide a
@@ -47,75 +47,29 @@ import traceback
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from minfer.config import EngineConfig, ModelConfig, allowed_group_sizes
+from minfer.config import EngineConfig
+from minfer.engine.build import BuildPlan, build_model, rank_checkpoint, rank_device
 from minfer.engine.model_runner import ModelRunner, PreparedStep, profiles_memory
 from minfer.engine.tp_worker import Call, Channel, PoolSpec, ProfileSize, StepInputs, Worker, broadcast_payload
-from minfer.layers.attention import get_attention_fn
-from minfer.layers.linear import pack_linears
-from minfer.layers.parallel_linear import CommStats, shard_model_config, shard_weights, wrap_row_parallel
+from minfer.layers.parallel_linear import CommStats
 from minfer.models.llama import LlamaModel
-from minfer.quant.linear import quantize_model, resolve_group_size
-from minfer.quant.schemes import get_scheme
+from minfer.models.loader import LoadedModel
 from minfer.sequence import Sequence
 
 TIMEOUT = timedelta(minutes=5)  # a collective that waits this long means a rank died
 
 
-def check_tensor_parallel(config: EngineConfig, model_config: ModelConfig, attention, quantized_checkpoint: bool) -> None:
-    """Everything that N > 1 cannot serve, refused before a process starts."""
-    n = config.tensor_parallel_size
-    shard = shard_model_config(model_config, n)  # divisibility, mixture of experts
-    scheme = get_scheme(config.quantization) if config.quantization is not None else None
-    refused = {"speculative decoding (speculative_model)": config.speculative_model is not None,
-               f"quantization={config.quantization!r} (its calibration runs the whole model; use 'int8' or 'int4')":
-                   scheme is not None and scheme.calibrated,
-               "a saved quantized checkpoint (load the float checkpoint with quantization='int8' or 'int4')":
-                   quantized_checkpoint,
-               "enforce_eager=False (compiled decode)": config.enforce_eager is False,
-               "an attention function (workers are separate processes: pass 'sdpa' or 'reference')": callable(attention)}
-    for what, hit in refused.items():
-        if hit:
-            raise ValueError(f"tensor_parallel_size={n} does not support {what}")
-    if scheme is not None and scheme.grouped:
-        group = resolve_group_size(model_config, config.quantization_group_size)
-        if group not in allowed_group_sizes(shard):
-            raise ValueError(f"{config.quantization} group size {group} does not divide a shard's input sizes with tensor_parallel_size="
-                             f"{n} (hidden {shard.hidden_size}, heads {shard.num_heads * shard.head_dim}, intermediate "
-                             f"{shard.intermediate_size}): choose quantization_group_size from {allowed_group_sizes(shard)}")
-    if config.device.type == "cuda" and torch.cuda.device_count() < n:
-        raise ValueError(f"tensor_parallel_size={n} needs {n} CUDA devices, found {torch.cuda.device_count()}")
-    if dist.is_initialized():
-        raise ValueError("a tensor-parallel LLM is already running in this process: delete it first (del llm)")
-
-
-def build_shard(config: ModelConfig, weights: dict, dtype: torch.dtype, device: torch.device, quantization: Optional[str],
-                group_size: Optional[int], attention: str, stats: CommStats) -> LlamaModel:
-    """One rank's model: the shard's shape, its weights, quantized after slicing, packed, all-reduces behind."""
-    model = LlamaModel.from_weights(config, weights, dtype, device)
-    if quantization is not None:
-        quantize_model(model, quantization, group_size)
-    if device.type == "cpu":
-        pack_linears(model)
-    wrap_row_parallel(model, stats)
-    model.attention_fn = get_attention_fn(attention)
-    return model
-
-
 class TensorParallelWorkers:
     """Rank 0's side: starts ranks 1..N-1, builds its own shard, sends each step, stops them."""
 
-    def __init__(self, loaded, config: EngineConfig, attention: str) -> None:
-        n = config.tensor_parallel_size
-        shard_config = shard_model_config(loaded.config, n)
-        grouped = config.quantization is not None and get_scheme(config.quantization).grouped
-        group_size = resolve_group_size(loaded.config, config.quantization_group_size) if grouped else None
-        self.device = torch.device("cuda", 0) if config.device.type == "cuda" else config.device
+    def __init__(self, build: BuildPlan, loaded: LoadedModel) -> None:
+        n = build.tensor_parallel_size
+        self.device = rank_device(build, 0)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.start_method = start_method(n)  # "spawn", or "fork" for a script without the __main__ guard
         context = mp.get_context(self.start_method)
@@ -123,16 +77,15 @@ class TensorParallelWorkers:
         port = free_port()
         self.processes, ready = [], context.Queue()
         for rank in range(1, n):  # they load while rank 0 builds its own shard
-            args = (rank, n, port, backend, shard_config, shard_weights(loaded.weights, rank, n), config.dtype,
-                    config.quantization, group_size, attention, os.getpid(), torch.get_num_threads(), ready)
+            args = (rank, port, backend, build, rank_checkpoint(build, loaded, rank), os.getpid(),
+                    torch.get_num_threads(), ready)
             process = context.Process(target=target, args=args, daemon=True, name=f"minfer-tp-rank{rank}")
             process.start()
             self.processes.append(process)
         self._stopper = weakref.finalize(self, stop_workers, self.processes, self.device)  # at GC and at exit
         self.stats = CommStats()
         self.channel = Channel(self.device, self.stats)
-        self.model = build_shard(shard_config, shard_weights(loaded.weights, 0, n), config.dtype, self.device,
-                                 config.quantization, group_size, attention, self.stats)
+        self.model = build_model(build, rank_checkpoint(build, loaded, 0), 0, self.stats)
         wait_until_ready(self.processes, ready)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=n, timeout=TIMEOUT)
 
@@ -251,21 +204,20 @@ class ParallelModelRunner(ModelRunner):
         return step
 
 
-def worker_main(rank: int, world_size: int, port: int, backend: str, config: ModelConfig, weights: dict,
-                dtype: torch.dtype, quantization: Optional[str], group_size: Optional[int], attention: str,
-                parent_pid: int, num_threads: int, ready) -> None:
+def worker_main(rank: int, port: int, backend: str, build: BuildPlan, checkpoint: LoadedModel, parent_pid: int,
+                num_threads: int, ready) -> None:
     """Ranks 1..N-1: build the shard, then run every call rank 0 sends until it calls "stop"."""
     torch.set_num_threads(num_threads)  # as many as rank 0 uses
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    device = rank_device(build, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model = build_shard(config, weights, dtype, device, quantization, group_size, attention, CommStats())
-    del weights
+    model = build_model(build, checkpoint, rank)
+    del checkpoint
     ready.put(mp.current_process().name)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=TIMEOUT)
-    Worker(model, config, dtype, device).serve()
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=build.tensor_parallel_size, timeout=TIMEOUT)
+    Worker(model, build.model_config, build.dtype, device).serve()
     # Leave at once: no destroy_process_group (it would wait on rank 0, which waits for this process to
     # end) and no interpreter teardown (seconds of freeing torch's state on a busy machine).
     os._exit(0)
