@@ -55,13 +55,15 @@ def run(llm: LLM, prompts: list[dict], max_tokens: int) -> dict:
     start = time.perf_counter()
     while llm.has_unfinished_requests():
         rows = engine.stats.computed_tokens + engine.stats.padding_tokens
-        before = (stats.all_reduces, stats.all_reduce_bytes, stats.all_reduce_seconds, stats.broadcast_seconds) if stats else None
+        before = (stats.all_reduces, stats.all_reduce_bytes, stats.all_reduce_seconds, stats.broadcast_seconds,
+                  stats.broadcast_bytes) if stats else None
         t = time.perf_counter()
         llm.step()
         step = {"seconds": time.perf_counter() - t, "rows": engine.stats.computed_tokens + engine.stats.padding_tokens - rows}
         if stats:
             step.update(all_reduces=stats.all_reduces - before[0], all_reduce_bytes=stats.all_reduce_bytes - before[1],
-                        all_reduce_seconds=stats.all_reduce_seconds - before[2], broadcast_seconds=stats.broadcast_seconds - before[3])
+                        all_reduce_seconds=stats.all_reduce_seconds - before[2], broadcast_seconds=stats.broadcast_seconds - before[3],
+                        broadcast_bytes=stats.broadcast_bytes - before[4])
         steps.append(step)
     elapsed = time.perf_counter() - start
     decode = [s for s in steps if s["rows"] <= 32]  # decode steps: one row per sequence (bucketed)
@@ -75,6 +77,7 @@ def run(llm: LLM, prompts: list[dict], max_tokens: int) -> dict:
             all_reduce_ms_per_decode_step=1e3 * statistics.median(s["all_reduce_seconds"] for s in decode),
             all_reduce_us_each=1e6 * sum(s["all_reduce_seconds"] for s in decode) / sum(s["all_reduces"] for s in decode),
             broadcast_ms_per_decode_step=1e3 * statistics.median(s["broadcast_seconds"] for s in decode),
+            broadcast_bytes_per_decode_step=statistics.median(s["broadcast_bytes"] for s in decode),
             decode_rows=statistics.median(s["rows"] for s in decode))
     return summary
 
