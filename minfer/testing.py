@@ -24,11 +24,18 @@ import torch
 
 from minfer.config import ModelConfig
 
-# The shapes of SmolLM2-135M (and a toy model of the same family, for fast tests).
+# The shapes of SmolLM2-135M, of two Llama models of real size, and of a toy model of the same family (fast tests).
 MODEL_SHAPES = {
     "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                                 num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
                                 max_position_embeddings=8192, tie_word_embeddings=True),
+    # two models of real size, for speed on a GPU (minfer.bench.real_size): a decode step reads GBs of weights
+    "llama-3.2-1b": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                                num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0, rms_norm_eps=1e-5,
+                                max_position_embeddings=131072, tie_word_embeddings=True),
+    "llama-3.1-8b": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                                num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5,
+                                max_position_embeddings=131072, tie_word_embeddings=False),
     "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
                         max_position_embeddings=512, tie_word_embeddings=True),

@@ -149,7 +149,7 @@ class LlamaModel(nn.Module):
         """The model with uninitialised weights (RoPE tables computed), ready for `load_weights`."""
         with torch.device("meta"):
             model = cls(config)
-        model = model.to_empty(device=device).to(dtype)
+        model = model.to(dtype).to_empty(device=device)  # allocated once, in the dtype asked for
         model.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta).to(device)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
@@ -167,6 +167,18 @@ class LlamaModel(nn.Module):
         Logits are computed for the last position only (generation needs no more), for every
         position with last_only=False, or for the positions in logits_indices.
         """
+        x = self.hidden_states(input_ids, positions, kv_cache, mask)
+        if logits_indices is not None:
+            x = x[:, logits_indices]
+        elif last_only:  # skip the big output head for positions nobody samples from
+            x = x[:, -1:]
+        return self.logits(x)
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: Optional[AttentionCache] = None,
+                      mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The last decoder layer's output [batch, seq, hidden], before the final norm: what `logits`
+        turns into logits, and what an EAGLE draft head reads (`minfer.speculative.eagle`)."""
         x = self.embed_tokens(input_ids)
         rope = self.rope(positions, x.dtype)  # the same angles serve every layer
         for i, layer in enumerate(self.layers):
@@ -175,11 +187,11 @@ class LlamaModel(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         if kv_cache is not None:
             kv_cache.advance(input_ids.shape[1])
-        if logits_indices is not None:
-            x = x[:, logits_indices]
-        elif last_only:  # skip the big output head for positions nobody samples from
-            x = x[:, -1:]
-        return self.lm_head(self.norm(x)).float()
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and output head: float32 logits for pre-norm hidden states."""
+        return self.lm_head(self.norm(hidden)).float()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named weights in, stacking q/k/v and gate/up into one matrix each."""
