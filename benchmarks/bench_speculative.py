@@ -6,7 +6,8 @@
 
 Two tasks: input-grounded (repeat / fix typos in / rewrite a pydoc passage: the answer copies its
 input) and open chat. Proposers: none (the baseline), n-gram lookup ("[ngram]"), the distilled
-draft ("smollm2-135m-draft") and the same-shape undistilled draft, each for k in {1, 2, 4, 6}
+draft ("smollm2-135m-draft"), the same-shape undistilled draft and the EAGLE head ("smollm2-135m-eagle": one
+layer reading the target's features, minfer/speculative/eagle.py), each for k in {1, 2, 4, 6}
 draft tokens. For each: decode tokens/s; vLLM's metrics under vLLM's names (draft_acceptance_rate
 = accepted / proposed draft tokens, mean_acceptance_length = tokens per verification pass); the
 per-token alpha of the formula (acceptance given the earlier drafts accepted, maximum-likelihood:
@@ -28,16 +29,38 @@ from pathlib import Path
 import torch
 
 from minfer import LLM
-from minfer.bench.common import machine_info, quiet, write_docs_section
-from minfer.bench.spec import (chat_prompts, cost_ratio, decode_rate, expected_speedup, forward_cost, grounded_prompts,
-                               verify_costs)
+from minfer.bench.common import machine_info, quiet, synchronize, write_docs_section
+from minfer.bench.spec import (CLOCKS, chat_prompts, cost_ratio, decode_rate, expected_speedup, forward_cost,
+                               grounded_prompts, verify_costs)
+from minfer.kv_cache import KVCache
 from minfer.speculative import make_proposer
 
 DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"  # this checkout's docs page
 
 DOCS_START, DOCS_END = "<!-- bench_speculative:start -->", "<!-- bench_speculative:end -->"
-PROPOSERS = ("[ngram]", "smollm2-135m-draft", "smollm2-135m-draft-undistilled")
-TARGETS = {("chat", "smollm2-135m-draft"): 1.5, ("grounded", "[ngram]"): 2.0}  # minimum best speedup, CPU batch 1
+PROPOSERS = ("[ngram]", "smollm2-135m-draft", "smollm2-135m-draft-undistilled", "smollm2-135m-eagle")
+TARGETS = {("chat", "smollm2-135m-draft"): 1.5, ("grounded", "[ngram]"): 2.0,  # minimum best speedup, CPU batch 1
+           ("chat", "smollm2-135m-eagle"): 1.5}
+
+
+@torch.inference_mode()
+def eagle_cost_ratio(head, target, context_len: int = 256, repeats: int = 10, clock: str = "wall") -> float:
+    """c for an EAGLE head: one chained guess (a row through the head after context_len rows, and its
+    top-K logits) / one target decode step, at batch 1."""
+    now, device = CLOCKS[clock], head.fc.weight.device
+    cache = KVCache(head.config, 1, context_len + 1, head.fc.weight.dtype, device)
+    hidden = head.config.hidden_size
+    head(torch.randn(1, context_len, hidden, device=device), torch.zeros(1, context_len, dtype=torch.long, device=device),
+         torch.arange(context_len, device=device)[None], cache)
+    feature, token = torch.randn(1, 1, hidden, device=device), torch.zeros(1, 1, dtype=torch.long, device=device)
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        cache.length, position = context_len, torch.tensor([[context_len]], device=device)
+        start = now()
+        head.logits(head(feature, token, position, cache)).argmax()
+        synchronize(device)
+        times.append(now() - start)
+    return statistics.median(times[1:]) / forward_cost(target, context_len, 1, repeats, clock)
 
 
 def run(args) -> dict:
@@ -54,15 +77,16 @@ def run(args) -> dict:
     result["verify_cost"] = verify_costs(llm.model, ks, repeats=20, clock=clock)
     one = forward_cost(llm.model, 256, 1, clock=clock)  # a target step, to express lookup time in steps
     proposers = {}
-    for name in PROPOSERS:
+    for name in args.proposers:
         try:
             proposers[name] = make_proposer(name, llm.model, llm.tokenizer, llm.max_model_len, llm.dtype, llm.device)
         except (ValueError, ImportError, FileNotFoundError) as exc:
             result["skipped"][name] = str(exc)
             print(f"skipping {name}: {exc}", file=sys.stderr)
             continue
-        model = getattr(proposers[name], "model", None)
-        result["cost_ratio"][name] = cost_ratio(model, llm.model, clock=clock) if model is not None else 0.0
+        model, head = getattr(proposers[name], "model", None), getattr(proposers[name], "head", None)
+        result["cost_ratio"][name] = (cost_ratio(model, llm.model, clock=clock) if model is not None else
+                                      eagle_cost_ratio(head, llm.model, clock=clock) if head is not None else 0.0)
     for task, prompts in tasks.items():
         plain_rates, none_row = [], {"task": task, "proposer": "none", "k": 0, "speedup": 1.0}
         result["rows"].append(none_row)
@@ -86,7 +110,7 @@ def run(args) -> dict:
                        "predicted_with_verify_cost": expected_speedup(alpha, k, c, v),
                        "same_tokens_as_plain": r["token_ids"] == base["token_ids"]}
                 result["rows"].append(row)
-                print(f"{task:9s} {name:11.11s} k={k} {row['tokens_per_s']:7.1f} tok/s (plain {base['tokens_per_s']:.1f}) "
+                print(f"{task:9s} {name:18.18s} k={k} {row['tokens_per_s']:7.1f} tok/s (plain {base['tokens_per_s']:.1f}) "
                       f"x{row['speedup']:.2f} "
                       f"(predicted x{row['predicted']:.2f}, with v x{row['predicted_with_verify_cost']:.2f}; "
                       f"alpha {alpha:.2f}, c {c:.3f}, v {v:.2f})", file=sys.stderr)
@@ -197,6 +221,7 @@ def main(argv=None) -> int:
     parser.add_argument("--num-prompts", type=int, default=2, help="prompts per task (full run)")
     parser.add_argument("--max-tokens", type=int, default=80)
     parser.add_argument("--ks", type=int, nargs="+", help="draft lengths (default 1 2 4 6)")
+    parser.add_argument("--proposers", nargs="+", default=list(PROPOSERS), help=f"default: {' '.join(PROPOSERS)}")
     parser.add_argument("--json", dest="json_path")
     parser.add_argument("--plot")
     parser.add_argument("--update-docs", nargs="?", const=str(DOCS_PAGE), default=None, metavar="PATH")

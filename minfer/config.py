@@ -142,10 +142,11 @@ class EngineConfig:
     enable_prefix_caching.
 
     Speculative decoding: speculative_model ('[ngram]', a model name or path with the target's
-    tokenizer, a shipped draft such as 'smollm2-135m-draft' or EAGLE head 'smollm2-135m-eagle', a LlamaModel, or a `minfer.speculative.Proposer`) with
-    num_speculative_tokens (1-16), both or neither. `from_kwargs` also takes vLLM's current form,
-    speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-    "prompt_lookup_min": 1} or {"model": name_or_path, "num_speculative_tokens": k} (n-gram sizes of its
+    tokenizer, a shipped draft such as 'smollm2-135m-draft', the EAGLE head 'smollm2-135m-eagle', a LlamaModel,
+    or a `minfer.speculative.Proposer`) with num_speculative_tokens (1-16), both or neither. `from_kwargs` also
+    takes vLLM's current form, speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+    "prompt_lookup_min": 1}, {"model": name_or_path, "num_speculative_tokens": k} or {"method": "eagle",
+    "model": "smollm2-135m-eagle", "num_speculative_tokens": k} (n-gram sizes of its
     own become speculative_model=NgramLookup(...), which the engine turns into its proposer).
 
     enforce_eager: None (the default) replays decode steps as CUDA graphs on CUDA, as vLLM does

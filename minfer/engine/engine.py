@@ -176,6 +176,8 @@ class Engine:
         """A sequence leaves the engine (finished, aborted or failed): its blocks, its row of block tables."""
         self.scheduler.remove(seq)
         self.runner.release(seq)
+        if self.proposer is not None:  # a draft's cache, an EAGLE head's features
+            self.proposer.release(seq)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -203,7 +205,10 @@ class Engine:
                 raise RuntimeError("nothing could be scheduled although requests wait: the KV pool is too small")
             return []
         self.last_batch = batch
-        output = self.runner.run(batch, self.structured_outputs.mask)
+        keep_hidden = self.proposer is not None and self.proposer.needs_hidden_states
+        output = self.runner.run(batch, self.structured_outputs.mask, keep_hidden=keep_hidden)
+        for seq, first, hidden in output.hidden:  # an EAGLE head reads the target's features
+            self.proposer.observe(seq, first, hidden)
         if self.moe_blocks:
             self.stats.record_expert_load(last_expert_load(self.moe_blocks, output.num_tokens, self.model.config.num_experts))
         failed = self._score_prompts(output)
@@ -261,8 +266,6 @@ class Engine:
                 continue
             if seq.finished:
                 self._retire(seq)
-                if self.proposer is not None:
-                    self.proposer.release(seq)
         outputs = []
         for request_id, request in touched.items():
             if request.finished:

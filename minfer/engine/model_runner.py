@@ -47,6 +47,8 @@ class StepOutput:
     tokens: the sampled next token of each sampled sequence without drafts (None for the others).
     scored: (sequence, first, last) prompt positions whose logits follow the sampled rows, for
     prompt_logprobs. logits: float32 [rows, vocab].
+    hidden: with keep_hidden, (sequence, first position, pre-norm hidden states [new tokens, hidden]) for
+    every scheduled sequence: what an EAGLE draft head reads (`minfer.speculative.eagle`).
     """
 
     sampled: list[tuple[Sequence, slice]]
@@ -55,6 +57,7 @@ class StepOutput:
     logits: torch.Tensor
     num_tokens: int  # the scheduled tokens run through the model
     num_padding: int = 0  # rows added to reach the step's bucket size
+    hidden: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -67,6 +70,7 @@ class PreparedStep:
     logits_indices: torch.Tensor  # the rows to compute logits for: sampling rows, then prompt-scoring rows
     sampled: list[tuple[Sequence, slice]] = field(default_factory=list)  # logits rows of each sampled sequence
     scored: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    seqs: list[Sequence] = field(default_factory=list)  # the scheduled sequences, in the order of paged.slices
 
     @property
     def plain_decode(self) -> bool:
@@ -205,21 +209,30 @@ class ModelRunner:
             input_ids, positions = input_ids + [0] * padding, positions + [0] * padding
             logits_rows = logits_rows + [0] * (bucket_for(len(logits_rows)) - len(logits_rows)) if logits_rows else []
         return PreparedStep(torch.tensor([input_ids], device=device), torch.tensor([positions], device=device), paged,
-                            torch.tensor(logits_rows, dtype=torch.long, device=device), sampled, scored)
+                            torch.tensor(logits_rows, dtype=torch.long, device=device), sampled, scored,
+                            [seq for seq, _ in batch])
 
     def release(self, seq: Sequence) -> None:
         """A sequence has left the engine: forget its block table's row."""
         self.block_tables.release(seq)
 
-    def run(self, batch: list[tuple[Sequence, int]], mask_logits: Optional[Callable] = None) -> StepOutput:
+    def run(self, batch: list[tuple[Sequence, int]], mask_logits: Optional[Callable] = None,
+            keep_hidden: bool = False) -> StepOutput:
         """Prepare, run the model, and sample every sequence that gets a plain next token.
 
         mask_logits(logits, grammars): forbids, in place, the tokens that each row's grammar (its
-        sequence's structured-output matcher, or None) does not allow, before sampling."""
+        sequence's structured-output matcher, or None) does not allow, before sampling.
+        keep_hidden: also return every new token's pre-norm hidden state (StepOutput.hidden); such steps run eagerly."""
         step = self.prepare(batch)
-        fast = self.decode_step
+        fast = None if keep_hidden else self.decode_step
         logits = fast(step) if fast is not None and fast.serves(step) else None
-        if logits is None:  # not a step the fast path serves (or its recording failed): eagerly
+        hidden = []
+        if logits is None and keep_hidden:
+            states = self.model.hidden_states(step.input_ids, step.positions, step.paged)[0]
+            logits = self.model.logits(states[step.logits_indices])
+            hidden = [(seq, s.context_len - s.query_len, states[s.query_start:s.query_start + s.query_len])
+                      for seq, s in zip(step.seqs, step.paged.slices)]
+        elif logits is None:  # not a step the fast path serves (or its recording failed): eagerly
             logits = self.model(step.input_ids, step.positions, step.paged, logits_indices=step.logits_indices)[0]
         tokens: list[Optional[int]] = [None] * len(step.sampled)
         plain = [i for i, (seq, _) in enumerate(step.sampled) if not seq.spec_token_ids]
@@ -233,4 +246,5 @@ class ModelRunner:
             for i, token in zip(plain, drawn):
                 tokens[i] = token
         num_tokens = step.paged.num_tokens
-        return StepOutput(step.sampled, tokens, step.scored, logits, num_tokens, step.input_ids.shape[1] - num_tokens)
+        return StepOutput(step.sampled, tokens, step.scored, logits, num_tokens, step.input_ids.shape[1] - num_tokens,
+                          hidden)

@@ -11,10 +11,13 @@ of a single target pass.
     rejection.py   the acceptance rule (lossless) and greedy verification
     stats.py       acceptance rate, mean acceptance length, acceptance per position
     pruned_draft.py the shipped draft's shape (target layers, pruned; a top-K head), saved and loaded by name
+    eagle_head.py  an EAGLE head: one decoder layer reading the target's features, saved and loaded by name
+    eagle.py       the EAGLE proposer: the target's features per sequence, the head's cache, chained guesses
     distill.py     how that draft was trained: distillation loss, teacher top-k, training loop (chapter 08;
                    course code, never imported by the engine)
 
     LLM("smollm2-135m", speculative_model="[ngram]", num_speculative_tokens=4)
+    LLM("smollm2-135m", speculative_model="smollm2-135m-eagle", num_speculative_tokens=4)
 """
 from __future__ import annotations
 
@@ -28,20 +31,23 @@ from minfer.config import NgramLookup
 from minfer.models.llama import LlamaModel
 from minfer.models.loader import KNOWN_MODELS, load_model
 from minfer.speculative.draft_model import DraftModelProposer
+from minfer.speculative.eagle import EagleProposer
+from minfer.speculative.eagle_head import EagleHead, is_eagle, load_eagle
 from minfer.speculative.ngram import NgramProposer, ngram_lookup
 from minfer.speculative.proposer import Proposal, Proposer
 from minfer.speculative.pruned_draft import load_draft
 from minfer.speculative.rejection import greedy_verify, processed_probs, rejection_sample, verify
 from minfer.speculative.stats import SpecDecodeStats
 
-__all__ = ["Proposer", "Proposal", "NgramProposer", "DraftModelProposer", "SpecDecodeStats", "make_proposer",
+__all__ = ["Proposer", "Proposal", "NgramProposer", "DraftModelProposer", "EagleProposer", "SpecDecodeStats", "make_proposer",
            "ngram_lookup", "rejection_sample", "greedy_verify", "processed_probs", "verify"]
 
 
 def make_proposer(speculative_model, target: LlamaModel, tokenizer, max_model_len: int, dtype: torch.dtype,
                   device: torch.device) -> Optional[Proposer]:
     """A Proposer -> itself; '[ngram]' -> NgramProposer; a LlamaModel, a model name/path, or a shipped draft name
-    (minfer.speculative.pruned_draft, e.g. 'smollm2-135m-draft') -> DraftModelProposer; an NgramLookup (speculative_config's
+    (minfer.speculative.pruned_draft, e.g. 'smollm2-135m-draft') -> DraftModelProposer; an EagleHead, or an EAGLE head's
+    name or folder ('smollm2-135m-eagle', minfer.speculative.eagle_head) -> EagleProposer; an NgramLookup (speculative_config's
     n-gram sizes, `minfer.config`) -> NgramProposer with those sizes; None -> None."""
     if speculative_model is None or isinstance(speculative_model, Proposer):
         return speculative_model
@@ -49,6 +55,10 @@ def make_proposer(speculative_model, target: LlamaModel, tokenizer, max_model_le
         return NgramProposer(speculative_model.prompt_lookup_max, speculative_model.prompt_lookup_min)
     if speculative_model == "[ngram]":
         return NgramProposer()
+    if isinstance(speculative_model, EagleHead) or (isinstance(speculative_model, str) and is_eagle(speculative_model)):
+        head = speculative_model if isinstance(speculative_model, EagleHead) else load_eagle(speculative_model, target)
+        _check_eagle(head, target)
+        return EagleProposer(head, target.config.vocab_size)
     if isinstance(speculative_model, LlamaModel):
         draft = speculative_model
     else:
@@ -74,6 +84,15 @@ def _is_draft_folder(path: str) -> bool:
         return False
     with open(config) as f:
         return "head_token_ids" in json.load(f)
+
+
+def _check_eagle(head: EagleHead, target: LlamaModel) -> None:
+    if head.config.hidden_size != target.config.hidden_size:
+        raise ValueError(f"the EAGLE head reads features of size {head.config.hidden_size}, the target's are "
+                         f"{target.config.hidden_size}: an EAGLE head only fits the model it was trained on")
+    if head.fc.weight.dtype != target.embed_tokens.weight.dtype or head.fc.weight.device != target.embed_tokens.weight.device:
+        raise ValueError(f"the EAGLE head ({head.fc.weight.dtype}, {head.fc.weight.device}) must have the target's dtype "
+                         f"and device ({target.embed_tokens.weight.dtype}, {target.embed_tokens.weight.device})")
 
 
 def _check_draft(draft: LlamaModel, target: LlamaModel, max_model_len: int) -> None:

@@ -25,5 +25,12 @@ class Proposer:
         """Up to num_tokens[i] draft tokens for seqs[i], one Proposal per sequence."""
         raise NotImplementedError
 
+    # True: the engine hands `observe` the target's pre-norm hidden states of every pass (an EAGLE head's input)
+    needs_hidden_states: bool = False
+
+    def observe(self, seq: Sequence, first_position: int, hidden: torch.Tensor) -> None:
+        """The target just computed hidden [n, hidden_size] for seq's positions first_position.. (prefill
+        chunks, decode steps and verification passes, rejected drafts included)."""
+
     def release(self, seq: Sequence) -> None:
         """The sequence is done: forget any state kept for it (a draft model's KV cache)."""

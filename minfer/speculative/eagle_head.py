@@ -1,0 +1,137 @@
+"""An EAGLE draft head: one decoder layer that reads the target's own features (Li et al., 2024).
+
+A draft model starts from tokens alone and must rebuild what the target knows; an EAGLE head starts
+from the target's last hidden state (the last decoder layer's output, before the final norm). At
+position t it reads that feature f_t and the embedding of the token at t+1, mixes them
+(fc: concat(embedding, feature), 2 x hidden -> hidden), runs one decoder layer of the target's shape
+and predicts the feature f_{t+1}. The target's final norm and its output head, restricted to the K
+most frequent tokens (as the pruned draft's head), turn that into the next token's guess. To guess
+further, the head feeds its own predicted feature back in place of the target's.
+
+    head = load_eagle("smollm2-135m-eagle", target, dtype, device)
+    features = head(target_features, next_token_ids, positions, kv_cache)   # [batch, seq, hidden]
+    logits = head.logits(features)          # [batch, seq, K]: head_token_ids maps them to target ids
+
+The file holds only fc and the layer (bfloat16): the embedding, the final norm and the K output rows
+are the target's, taken at load time. `benchmarks/train_eagle.py` trains it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from minfer.config import ModelConfig
+from minfer.layers.attention import AttentionCache, attention_sdpa
+from minfer.models.llama import DecoderLayer, LlamaModel, RMSNorm, RotaryEmbedding
+
+EAGLE = "smollm2-135m-eagle"
+EAGLE_DIR = Path(__file__).resolve().parent.parent / "drafts" / EAGLE  # package data
+SHAPE_KEYS = ("hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size")
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: ModelConfig, num_head_tokens: int) -> None:
+        """config: the target's; the head has one decoder layer of that shape."""
+        super().__init__()
+        self.config = replace(config, num_layers=1, sparse_layers=())
+        hidden = config.hidden_size
+        self.embed_tokens = nn.Embedding(0, hidden)  # a placeholder: the target lends its own
+        self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        self.layer = DecoderLayer(self.config, 0)
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, num_head_tokens, bias=False)
+        self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.register_buffer("head_token_ids", torch.zeros(num_head_tokens, dtype=torch.long), persistent=False)
+        self.attention_fn = attention_sdpa
+
+    def forward(self, features: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_cache: Optional[AttentionCache] = None) -> torch.Tensor:
+        """features [batch, seq, hidden] at positions t, input_ids [batch, seq] the tokens at t+1 ->
+        the predicted features at t+1 [batch, seq, hidden] (differentiable: training calls it too)."""
+        x = self.fc(torch.cat([self.embed_tokens(input_ids), features.to(self.fc.weight.dtype)], dim=-1))
+        rope = self.rope(positions, x.dtype)
+        layer = self.layer
+        x = x + layer.self_attn(layer.input_layernorm(x), rope, self.attention_fn, None, kv_cache, 0)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if kv_cache is not None:
+            kv_cache.advance(input_ids.shape[1])
+        return x
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's final norm and its K head rows: float32 logits over head_token_ids."""
+        return self.lm_head(self.norm(features)).float()
+
+
+def _check_shape(meta: dict, target: LlamaModel, name: str) -> None:
+    mismatched = [k for k in SHAPE_KEYS if meta.get(k) != getattr(target.config, k)]
+    if mismatched:
+        got = ", ".join(f"{k} {meta.get(k)}" for k in mismatched)
+        allowed = ", ".join(f"{k} {getattr(target.config, k)}" for k in mismatched)
+        raise ValueError(f"EAGLE head {name!r} was trained for a target with {got}; this target has {allowed}: "
+                         "an EAGLE head only fits the model it was trained on")
+
+
+@torch.no_grad()
+def eagle_from_target(target: LlamaModel, head_token_ids: torch.Tensor) -> EagleHead:
+    """A fresh head for `target` (its layer randomly initialised): the target's embedding (shared), its
+    final norm (a copy) and its output rows for head_token_ids (a copy), all three frozen."""
+    if not isinstance(target.lm_head, nn.Linear):
+        raise ValueError("an EAGLE head copies the target's float output rows: use an unquantized target")
+    weight = target.embed_tokens.weight
+    head = EagleHead(target.config, len(head_token_ids)).to(device=weight.device, dtype=weight.dtype)
+    head.embed_tokens = target.embed_tokens
+    head.norm.weight.copy_(target.norm.weight)
+    head.lm_head.weight.copy_(target.lm_head.weight[head_token_ids.to(weight.device)])
+    head.head_token_ids.copy_(head_token_ids)
+    head.attention_fn = target.attention_fn
+    for module in (head.norm, head.lm_head):
+        module.requires_grad_(False)
+    return head
+
+
+def save_eagle(head: EagleHead, folder: str | os.PathLike, meta: dict) -> None:
+    """Write fc and the layer in bfloat16, and the config (the shape, head_token_ids, `meta`)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in head.state_dict().items()
+               if k.startswith(("fc.", "layer."))}
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+    config = {**{k: getattr(head.config, k) for k in SHAPE_KEYS}, "method": "eagle", **meta,
+              "head_token_ids": head.head_token_ids.tolist()}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def is_eagle(name_or_path: str) -> bool:
+    """The shipped head's name, or a folder written by save_eagle."""
+    config = Path(name_or_path) / "config.json"
+    if name_or_path == EAGLE:
+        return True
+    return config.is_file() and json.loads(config.read_text()).get("method") == "eagle"
+
+
+def load_eagle(name_or_path: str, target: LlamaModel) -> EagleHead:
+    """The EAGLE head for `target`, by name (EAGLE) or from a folder written by save_eagle, in the
+    target's dtype and on its device (it reads the target's features and shares its embedding)."""
+    from safetensors.torch import load_file
+
+    folder = EAGLE_DIR if name_or_path == EAGLE else Path(name_or_path)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"no EAGLE head at {name_or_path!r}: use {EAGLE!r} or a folder written by save_eagle")
+    meta = json.loads((folder / "config.json").read_text())
+    _check_shape(meta, target, name_or_path)
+    head = eagle_from_target(target, torch.tensor(meta["head_token_ids"], dtype=torch.long))
+    tensors = load_file(str(folder / "model.safetensors"))
+    own = {k for k in head.state_dict() if k.startswith(("fc.", "layer."))}
+    if set(tensors) != own:
+        raise ValueError(f"{folder} does not hold an EAGLE head of this shape: expected {sorted(own)}, "
+                         f"found {sorted(tensors)}")
+    head.load_state_dict(tensors, strict=False)
+    return head.eval()

@@ -1,0 +1,124 @@
+"""The EAGLE draft head: it loads, it fits only its own target, and speculation with it stays lossless
+(greedy output equals plain decoding, with the shipped head and with a head that guesses garbage),
+through preemption, prefix-cache hits and aborts, with every sequence's state freed at the end."""
+import os
+import random
+
+import pytest
+import torch
+
+from minfer import LLM, SamplingParams
+from minfer.config import EngineConfig
+from minfer.engine.engine import Engine
+from minfer.speculative import EagleProposer, make_proposer
+from minfer.speculative.eagle_head import EAGLE, EAGLE_DIR, eagle_from_target, load_eagle, save_eagle
+
+VOCAB = 512  # tiny_small_vocab_dir's
+
+
+def run_engine(llm, prompts, params, proposer=None, k=0, num_blocks=512, block_size=16, **kwargs):
+    engine = Engine(llm.model, llm.tokenizer, device="cpu", num_gpu_blocks_override=num_blocks, block_size=block_size,
+                    speculative_model=proposer, num_speculative_tokens=k if proposer is not None else None, **kwargs)
+    requests = llm._make_requests(prompts, params)
+    for request in requests:
+        engine.add_request(request)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.blocks.num_free_blocks == num_blocks
+    return [r.to_output().outputs[0].token_ids for r in requests], engine
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_small_vocab_dir):
+    return LLM(tiny_small_vocab_dir, dtype="float32", device="cpu", max_model_len=512)
+
+
+def random_head(target, seed=0):
+    torch.manual_seed(seed)
+    return eagle_from_target(target, torch.arange(target.config.vocab_size - 1, -1, -1))
+
+
+def test_head_shapes_and_save_load_roundtrip(tiny, tmp_path):
+    head = random_head(tiny.model)
+    features, ids = torch.randn(2, 5, 64), torch.randint(0, VOCAB, (2, 5))
+    predicted = head(features, ids, torch.arange(5)[None])
+    assert predicted.shape == (2, 5, 64) and head.logits(predicted).shape == (2, 5, VOCAB)
+    assert head.embed_tokens is tiny.model.embed_tokens  # shared, not copied
+    save_eagle(head, tmp_path / "head", {"target": "tiny"})
+    loaded = load_eagle(str(tmp_path / "head"), tiny.model)
+    torch.testing.assert_close(loaded(features, ids, torch.arange(5)[None]), predicted, atol=0.05, rtol=0.05)  # bf16 file
+    assert torch.equal(loaded.head_token_ids, head.head_token_ids)
+    assert isinstance(make_proposer(str(tmp_path / "head"), tiny.model, tiny.tokenizer, 512, torch.float32,
+                                    torch.device("cpu")), EagleProposer)
+
+
+def test_a_head_for_another_model_is_refused(tiny, llm, tmp_path):
+    save_eagle(random_head(tiny.model), tmp_path / "head", {})
+    with pytest.raises(ValueError, match=r"hidden_size 64.*this target has hidden_size 576"):
+        LLM("smollm2-135m", dtype="float32", device="cpu", speculative_model=str(tmp_path / "head"),
+            num_speculative_tokens=3)
+    with pytest.raises(ValueError, match="features of size 576, the target's are 64"):
+        make_proposer(load_eagle(EAGLE, llm.model), tiny.model, tiny.tokenizer, 512, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="no EAGLE head at"):
+        load_eagle(str(tmp_path / "nowhere"), tiny.model)
+    with pytest.raises(ValueError, match="method 'draft_model', 'eagle' or none"):
+        EngineConfig.from_kwargs("LLM()", speculative_config={"method": "eagle", "num_speculative_tokens": 3})
+
+
+def test_shipped_head_loads_and_is_small(llm):
+    size = os.path.getsize(EAGLE_DIR / "model.safetensors")
+    assert size <= 20 * 2**20
+    head = load_eagle(EAGLE, llm.model)
+    assert head.layer.self_attn.num_kv_heads == 3 and head.fc.weight.shape == (576, 1152)
+    assert head.lm_head.weight.shape[0] == len(head.head_token_ids) < llm.config.vocab_size
+
+
+def test_greedy_with_the_shipped_head_equals_plain_and_guesses_well(llm):
+    """The shipped head through LLM and vLLM's speculative_config; then the same head with its guesses
+    mapped to the wrong tokens: still the plain tokens, far fewer accepted."""
+    prompts = [llm.chat_prompt([{"role": "user", "content": q}]) for q in ("Explain how rainbows form.",
+                                                                          "Tell me about the moon.")]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    spec = LLM("smollm2-135m", dtype="float32", device="cpu", max_num_seqs=2,
+               speculative_config={"method": "eagle", "model": EAGLE, "num_speculative_tokens": 4})
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == plain
+    good = spec.engine.spec_stats.alpha
+    assert good > 0.1  # measured 0.17
+    assert not spec.engine.proposer.state  # every sequence's features and cache freed
+    garbage = load_eagle(EAGLE, llm.model)
+    garbage.head_token_ids = garbage.head_token_ids.roll(1)
+    bad, engine = run_engine(llm, prompts, [params] * 2, garbage, 4)
+    assert bad == plain
+    assert engine.spec_stats.alpha < good / 4
+
+
+def test_preemption_prefix_hits_and_aborts_keep_it_lossless(tiny):
+    """A tight pool preempts sequences mid-speculation, repeated prompts hit the prefix cache (their
+    features never arrive), an abort ends one early: greedy output still equals plain decoding."""
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))]} for _ in range(6)] * 2
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 50), ignore_eos=True) for _ in prompts]
+    plain, _ = run_engine(tiny, prompts, params, num_blocks=400, block_size=4)
+    proposer = EagleProposer(random_head(tiny.model), VOCAB)
+    spec, engine = run_engine(tiny, prompts, params, proposer, 3, num_blocks=40, block_size=4, max_num_seqs=8,
+                              max_num_batched_tokens=32, enable_prefix_caching=True)
+    assert spec == plain
+    assert engine.scheduler.num_preemptions > 0 and engine.prefix_hit_rate > 0
+    assert engine.spec_stats.num_draft_tokens > 0 and not proposer.state
+    engine = Engine(tiny.model, tiny.tokenizer, device="cpu", num_gpu_blocks_override=64,
+                    speculative_model=proposer, num_speculative_tokens=3)
+    request = tiny._make_requests([prompts[0]], [SamplingParams(max_tokens=40, ignore_eos=True)])[0]
+    engine.add_request(request)
+    for _ in range(3):
+        engine.step()
+    assert proposer.state
+    engine.abort_request(request.request_id)
+    assert not proposer.state
+
+
+def test_sampling_with_the_head_is_seeded(tiny):
+    prompt = {"prompt_token_ids": [3, 1, 4, 1, 5]}
+    params = SamplingParams(temperature=0.8, top_k=50, seed=7, max_tokens=30, ignore_eos=True)
+    runs = [run_engine(tiny, [prompt], [params], EagleProposer(random_head(tiny.model), VOCAB), 3)[0] for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0][0]) == 30
