@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from minfer.formats.weights import dequantize_int4, pack_int4, quantize_int4_groupwise, round_to_int4_grid
-from minfer.quant.gptq import apply_gptq, gptq_quantize, input_hessian
+from minfer.quant.gptq import DAMPING, apply_gptq, gptq_quantize, input_hessian
 from minfer.quant.linear import Int4Linear, quantize_model
 from minfer.config import ModelConfig
 from minfer.models.llama import LlamaModel
@@ -42,22 +42,26 @@ def test_gptq_output_error_is_far_below_round_to_nearest(desc_act):
     assert gptq < 0.25 * rtn
 
 
-def textbook_gptq(w: torch.Tensor, hessian: torch.Tensor, group_size: int, damping: float = 0.01,
-                  desc_act: bool = False) -> torch.Tensor:
+def textbook_gptq(w: torch.Tensor, hessian: torch.Tensor, group_size: int, damping: float = DAMPING,
+                  desc_act: bool = False, static_groups: bool = True) -> torch.Tensor:
     """The slow update, written out: after each column, w_F -= e / [H_F^-1]_ii * [H_F^-1]_{i,F}, then
-    remove column i from H_F^-1 by Gaussian elimination. No Cholesky, no blocks; float64."""
+    remove column i from H_F^-1 by Gaussian elimination. No Cholesky, no blocks; float64. A group's
+    grid is fitted when its first column comes up, from the weights as they are then (in activation
+    order with static_groups: from the weights before any update)."""
     w, h = w.double().clone(), hessian.double().clone()
     columns = w.shape[1]
     h += damping * h.diagonal().mean() * torch.eye(columns, dtype=torch.float64)
     order = torch.argsort(h.diagonal(), descending=True) if desc_act else torch.arange(columns)
-    _, static_scale, static_min = quantize_int4_groupwise(w, group_size)
+    _, scale, minimum = quantize_int4_groupwise(w, group_size)
+    fitted = {g for g in range(columns // group_size) if desc_act and static_groups}
     h_inv = torch.linalg.inv(h)
     q = torch.zeros(w.shape, dtype=torch.uint8)
-    scale, minimum = static_scale.clone(), static_min.clone()
     for step, i in enumerate(order.tolist()):
         g = i // group_size
-        if not desc_act and i % group_size == 0:
-            _, scale[:, g:g + 1], minimum[:, g:g + 1] = quantize_int4_groupwise(w[:, i:i + group_size], group_size)
+        if g not in fitted:
+            group = slice(g * group_size, (g + 1) * group_size)
+            _, scale[:, g:g + 1], minimum[:, g:g + 1] = quantize_int4_groupwise(w[:, group], group_size)
+            fitted.add(g)
         q[:, i] = round_to_int4_grid(w[:, i], scale[:, g], minimum[:, g])
         error = w[:, i] - (q[:, i].double() * scale[:, g].double() + minimum[:, g].double())
         rest = order[step:]  # F: this column and those not yet quantized
@@ -66,14 +70,15 @@ def textbook_gptq(w: torch.Tensor, hessian: torch.Tensor, group_size: int, dampi
     return q
 
 
-@pytest.mark.parametrize("desc_act", [False, True])
-def test_blocked_cholesky_update_equals_the_textbook_update(desc_act):
+@pytest.mark.parametrize("desc_act, static_groups", [(False, False), (True, False), (True, True)])
+def test_blocked_cholesky_update_equals_the_textbook_update(desc_act, static_groups):
     x = correlated_inputs(features=128, seed=2)
     w = torch.randn(48, 128, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     hessian = input_hessian(x).double()
     # blocks of 64 columns: the lazy update between blocks is exercised, and groups of 32 inside them
-    q, _, _ = gptq_quantize(w, hessian, 32, block_size=64, desc_act=desc_act)
-    assert torch.equal(q, textbook_gptq(w, hessian, 32, desc_act=desc_act))
+    # (in activation order a group's columns are spread over both blocks when its grid is fitted)
+    q, _, _ = gptq_quantize(w, hessian, 32, block_size=64, desc_act=desc_act, static_groups=static_groups)
+    assert torch.equal(q, textbook_gptq(w, hessian, 32, desc_act=desc_act, static_groups=static_groups))
 
 
 def test_dead_inputs_get_no_error_and_spread_none():
@@ -124,3 +129,30 @@ def test_each_layer_is_calibrated_on_the_quantized_layers_before_it():
     packed, scale, minimum = codes[0, "down_proj"]
     assert torch.equal(model.layers[0].mlp.down_proj.weight, dequantize_int4(packed, scale, minimum))
 
+
+
+def captured_hessians(sequential: bool) -> dict[str, torch.Tensor]:
+    """The Hessian each matrix of layer 0 of tiny_model is quantized for (apply_gptq, groups of 32)."""
+    import minfer.quant.gptq as gptq
+
+    hessians, real = {}, gptq.gptq_quantize
+
+    def spy(w, hessian, *args):
+        hessians[len(hessians)] = hessian.clone()
+        return real(w, hessian, *args)
+
+    ids = torch.randint(0, 64, (128,), generator=torch.Generator().manual_seed(8)).tolist()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gptq, "gptq_quantize", spy)
+        apply_gptq(tiny_model(), ids, 32, window=64, sequential=sequential)
+    names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # layer 0's, in the order they run
+    return {name: hessians[k] for k, name in enumerate(names)}
+
+
+def test_true_sequential_recomputes_each_input_after_the_matrices_before_it():
+    sequential, one_pass = captured_hessians(True), captured_hessians(False)
+    # qkv_proj reads the layer's input, which no matrix of this layer touches: the same either way
+    assert torch.equal(sequential["qkv_proj"], one_pass["qkv_proj"])
+    # every later matrix reads activations that the already quantized ones before it changed
+    for name in ("o_proj", "gate_up_proj", "down_proj"):
+        assert not torch.allclose(sequential[name], one_pass[name], rtol=1e-4, atol=1e-6), name

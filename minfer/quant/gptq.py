@@ -33,8 +33,9 @@ elimination). GPTQ's three observations make this fast enough for an LLM:
 - *Lazy batches.* Columns are done in blocks of 128: the update runs in full inside the block,
   while the columns after the block get the block's errors all at once, one matrix product.
   Same result, far fewer passes over the big matrix.
-``H`` is dampened by 1 % of its mean diagonal before inverting: a nearly singular ``H`` (inputs
-that move together) would otherwise give huge, noisy updates. An input that is zero on every
+``H`` is dampened by 10 % of its mean diagonal before inverting (``DAMPING``): a nearly singular
+``H`` (inputs that move together) would otherwise give huge, noisy updates. GPTQ's paper uses
+1 %; the larger damping measured better here (below). An input that is zero on every
 calibration token (``H_ii = 0``) cannot affect the output: its weights are set to zero and
 ``H_ii`` to 1, so it neither receives nor spreads error.
 
@@ -53,23 +54,34 @@ quantized together, and GPTQ's checkpoints record each column's group in a ``g_i
 permutation. minfer's int4 format has contiguous groups and no ``g_idx``, so we use "static
 groups": every group's grid is computed from the weights before any update, and the columns are
 then quantized in activation order, each on its own group's grid. Lossless in minfer's format,
-at the price of grids that never see the updates.
+at the price of grids that never see the updates. ``static_groups=False`` keeps GPTQ's rule
+instead: a group's grid is fitted when its first column comes up in activation order, to all its
+columns as the updates so far have left them (still one grid per contiguous group, the same
+format). On SmolLM2-135M at int4 g64 (with 1 % damping) that is better on the channel-scrambled
+copy and slightly worse on the real model (``docs/benchmarks.md``), so static groups stay the default.
 
 Layers in sequence
 ------------------
 Each matrix's ``H`` comes from the inputs the *quantized* model produces: the calibration text
 runs through the decoder layers one at a time, and within a layer qkv_proj, o_proj, gate_up_proj
 and down_proj are quantized in the order they run, each one's inputs computed with the matrices
-before it already quantized. So each matrix also makes up for the errors of those before it.
-The inputs come from the layer capture AWQ uses (``minfer.quant.awq``).
+before it already quantized ("true-sequential"; ``apply_gptq``'s ``sequential``). So each matrix
+also makes up for the errors of those before it. The inputs come from the layer capture AWQ uses
+(``minfer.quant.awq``).
 
 What "gptq" runs (``quantize_model``'s ``gptq_after_awq`` and ``gptq_desc_act``, both on by default)
 ---------------------------------------------------------------------------------------------------
 GPTQ on the matrices after AWQ has folded its activation-aware scales into them
-(``minfer.quant.awq``, its clipping left out), in activation order. On SmolLM2-135M at int4 g64
-(perplexity increase, bfloat16): plain GPTQ +16.8 %, activation order +9.0 %, AWQ's scales first
-+8.4 %, both +6.1 %; with AWQ's clipping as well +8.1 % (clipping fits groups to round-to-nearest,
-which GPTQ no longer does). AWQ alone: +10.1 %. All figures: ``docs/benchmarks.md``.
+(``minfer.quant.awq``, its clipping left out), in activation order, with 10 % damping. On
+SmolLM2-135M at int4 g64 (perplexity increase, bfloat16, with 1 % damping): plain GPTQ +16.8 %,
+activation order +9.0 %, AWQ's scales first +8.4 %, both +6.1 %; with AWQ's clipping as well
++8.1 % (clipping fits groups to round-to-nearest, which GPTQ no longer does). AWQ alone: +10.1 %.
+Then 10 % damping instead of 1 %: +5.6 % instead of +5.8 % on the real model, +6.6 % instead of
++8.2 % on the channel-scrambled copy (another CPU, so compare within each pair). Tried and not
+kept, each worse on the real model: choosing each group's grid before the column loop by a
+Hessian-weighted error over a few shrunk ranges (the clamping it adds costs more than the finer
+step gains), choosing AWQ's alpha by GPTQ's error instead of round-to-nearest's, and quantizing
+without true-sequential inputs (``sequential=False``). All figures: ``docs/benchmarks.md``.
 """
 from __future__ import annotations
 
@@ -83,7 +95,9 @@ from minfer.formats.weights import (check_group_size, dequantize_int4, pack_int4
 from minfer.quant.awq import _capture_inputs, calibration_batch, run_layer
 
 BLOCK_SIZE = 128  # columns per lazy batch
-DAMPING = 0.01  # fraction of the mean diagonal of H added to its diagonal
+# Fraction of the mean diagonal of H added to its diagonal. GPTQ's paper uses 0.01; on SmolLM2-135M at
+# int4 g64, 0.1 is better on the real model and clearly on the channel-scrambled copy (docs/benchmarks.md).
+DAMPING = 0.1
 
 
 def input_hessian(x: torch.Tensor) -> torch.Tensor:
@@ -101,13 +115,15 @@ def inverse_hessian_cholesky(hessian: torch.Tensor, damping: float = DAMPING) ->
 
 
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, block_size: int = BLOCK_SIZE,
-                  damping: float = DAMPING, desc_act: bool = False
+                  damping: float = DAMPING, desc_act: bool = False, static_groups: bool = True
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [out, in] -> (q uint8 [out, in] in 0..15, scale float16 [out, in // group_size], min float16 [same]),
     minfer's int4 format (`quantize_int4_groupwise`'s), with the codes GPTQ chooses for the Hessian H [in, in].
 
     Computes in float32 (float64 if w is float64). block_size: columns per lazy batch, a multiple
-    of group_size. desc_act: columns in decreasing H_ii order, on static group grids (module docstring).
+    of group_size. desc_act: columns in decreasing H_ii order, each group on a grid fitted to the
+    weights before any update (static_groups) or when its first column comes up, to the weights as
+    updated so far (module docstring).
     """
     out_features, in_features = w.shape
     check_group_size(in_features, group_size)
@@ -124,15 +140,19 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, block
     num_groups = in_features // group_size
     scale = torch.zeros(out_features, num_groups, dtype=torch.float16, device=w.device)
     minimum = torch.zeros_like(scale)
-    if desc_act:  # static groups: every grid from the weights before any update
+    if desc_act and static_groups:  # every grid from the weights before any update
         _, scale, minimum = quantize_int4_groupwise(w, group_size)
+    if desc_act:
         order = torch.argsort(hessian.diagonal(), descending=True)
     else:
         order = torch.arange(in_features, device=w.device)
+    position = torch.empty_like(order)  # position[k]: when input k is quantized
+    position[order] = torch.arange(in_features, device=w.device)
     w, hessian = w[:, order], hessian[order][:, order]
     u = inverse_hessian_cholesky(hessian, damping)
     q = torch.zeros(out_features, in_features, dtype=torch.uint8, device=w.device)
     columns = order.tolist()  # read once: indexing a device tensor per column waits for the GPU each time
+    fitted = [desc_act and static_groups] * num_groups
     for start in range(0, in_features, block_size):
         end = min(start + block_size, in_features)
         block = w[:, start:end]  # a view: the in-block updates land in w
@@ -140,9 +160,14 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, block
         for i in range(end - start):
             column = start + i
             group = columns[column] // group_size
-            if not desc_act and column % group_size == 0:  # a new group: its grid, from the updated weights
-                _, group_scale, group_min = quantize_int4_groupwise(block[:, i:i + group_size], group_size)
+            if not fitted[group]:  # the group's first column: its grid, from the weights as updated so far
+                members = position[group * group_size:(group + 1) * group_size]  # all at or after this column
+                current = w[:, members]
+                later = members >= end  # past this block, they lack the updates of its columns so far
+                current[:, later] -= errors @ u[start:end, members[later]]
+                _, group_scale, group_min = quantize_int4_groupwise(current, group_size)
                 scale[:, group], minimum[:, group] = group_scale[:, 0], group_min[:, 0]
+                fitted[group] = True
             codes = round_to_int4_grid(block[:, i], scale[:, group], minimum[:, group])
             rounded = codes.to(compute) * scale[:, group].to(compute) + minimum[:, group].to(compute)
             q[:, column] = codes
@@ -156,25 +181,30 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, block
 
 @torch.no_grad()
 def apply_gptq(model: nn.Module, token_ids: Sequence[int], group_size: int, desc_act: bool = False,
-               block_size: int = BLOCK_SIZE, damping: float = DAMPING, window: Optional[int] = None
+               block_size: int = BLOCK_SIZE, damping: float = DAMPING, window: Optional[int] = None,
+               static_groups: bool = True, sequential: bool = True
                ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Choose GPTQ's int4 codes for the four matrices of every decoder layer, in sequence (module docstring).
 
     Each float weight is overwritten with what its codes stand for, so that the layers after it see
-    the quantized model's activations. Returns {(layer index, matrix name): (packed codes, scale,
-    minimum)}, minfer's int4 format; `quantize_model(model, "gptq", ...)` turns them into Int4Linear layers.
+    the quantized model's activations. static_groups: `gptq_quantize`'s. sequential=False takes a
+    layer's four inputs in one pass, before any of its matrices is quantized (only the earlier
+    layers are then quantized ones).
+    Returns {(layer index, matrix name): (packed codes, scale, minimum)}, minfer's int4 format;
+    `quantize_model(model, "gptq", ...)` turns them into Int4Linear layers.
     """
     x, rope = calibration_batch(model, token_ids, window)
     codes = {}
     for i, layer in enumerate(model.layers):
-        for block_name, name in layer.LINEARS:
-            inputs, hooks = _capture_inputs(layer)
-            run_layer(model, i, x, rope)  # the matrices before this one are already quantized
-            for hook in hooks:
-                hook.remove()
+        for k, (block_name, name) in enumerate(layer.LINEARS):
+            if sequential or k == 0:
+                inputs, hooks = _capture_inputs(layer)
+                run_layer(model, i, x, rope)  # the matrices before this one are already quantized (if sequential)
+                for hook in hooks:
+                    hook.remove()
             linear = getattr(getattr(layer, block_name), name)
             q, scale, minimum = gptq_quantize(linear.weight, input_hessian(inputs[name]), group_size,
-                                              block_size, damping, desc_act)
+                                              block_size, damping, desc_act, static_groups)
             codes[i, name] = (pack_int4(q), scale, minimum)
             linear.weight.copy_(dequantize_int4(codes[i, name][0], scale, minimum))
         x = run_layer(model, i, x, rope)
