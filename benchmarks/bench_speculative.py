@@ -117,7 +117,7 @@ def run(args) -> dict:
         none_row["tokens_per_s"] = (statistics.median(plain_rates) if plain_rates
                                     else decode_rate(llm, prompts, max_tokens, clock=clock)["tokens_per_s"])
     result["targets"] = []
-    for (task, name), goal in TARGETS.items():
+    for (task, name), goal in ((key, goal) for key, goal in TARGETS.items() if key[1] in args.proposers):
         rows = [r for r in result["rows"] if r["task"] == task and r["proposer"] == name]
         best = max(rows, key=lambda r: r["speedup"], default=None)
         result["targets"].append({"task": task, "proposer": name, "goal": goal, "best": best and best["speedup"],
