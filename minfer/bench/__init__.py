@@ -10,6 +10,8 @@ and the notebooks (a notebook's measurement and the published one share the same
                  KV memory waste, prefix caching (chapters 03-05, bench_serving.py)
     quant.py     each quantization format's perplexity, greedy agreement, bytes and decode speed, the
                  channel-scrambled model, llama.cpp beside (chapter 06, bench_quant.py)
+    real_size.py the weight formats' decode speed on random weights of Llama-3.1-8B's shapes, built on the
+                 device (chapter 06's GPU cell)
     spec.py      speculative decoding: the expected-speedup formula, a forward pass's cost, the draft
                  cost ratio c, batch-1 decode rate, the prompt sets (chapters 07-08, bench_speculative.py,
                  bench_router.py)
