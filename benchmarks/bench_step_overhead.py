@@ -45,10 +45,10 @@ def engine_overhead_per_step(llm: LLM, batch: int, tokens: int) -> list[float]:
     runner, in_runner = llm.engine.runner, [0.0]
     run = runner.run
 
-    def timed_run(scheduled, mask_logits=None):
+    def timed_run(scheduled, mask_logits=None, **kwargs):
         start = time.perf_counter()
         try:
-            return run(scheduled, mask_logits)
+            return run(scheduled, mask_logits, **kwargs)
         finally:
             in_runner[0] += time.perf_counter() - start
 

@@ -31,7 +31,7 @@ def test_the_runner_is_put_back_when_a_step_fails(tiny_dir):
     tiny = LLM(tiny_dir, dtype="float32", device="cpu", max_num_seqs=2)
     run = tiny.engine.runner.run
 
-    def broken(batch, mask_logits=None):
+    def broken(batch, mask_logits=None, **kwargs):
         raise RuntimeError("broken runner")
 
     tiny.engine.runner.run = broken
