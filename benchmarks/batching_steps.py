@@ -19,9 +19,9 @@ from typing import Optional
 import torch
 
 from minfer import LLM
-from minfer.bench.serving import make_workload, run_minfer
+from minfer.lab.bench.serving import make_workload, run_minfer
 from minfer.models.loader import load_tokenizer
-from minfer.testing import MODEL_SHAPES, random_checkpoint
+from minfer.lab.testing import MODEL_SHAPES, random_checkpoint
 
 
 def tiny_llm(vocab_size: int, max_num_batched_tokens: int) -> LLM:

@@ -18,10 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from minfer.bench.common import machine_info, write_docs_section
-from minfer.bench.generate import best_of, make_prompts, time_minfer
+from minfer.lab.bench.common import machine_info, write_docs_section
+from minfer.lab.bench.generate import best_of, make_prompts, time_minfer
 from minfer.llm import LLM
-from minfer.testing import MODEL_SHAPES, random_checkpoint
+from minfer.lab.testing import MODEL_SHAPES, random_checkpoint
 
 DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 DOCS_START, DOCS_END = "<!-- bench_compiled:start -->", "<!-- bench_compiled:end -->"

@@ -3,7 +3,7 @@
     python benchmarks/bench_generate.py --quick                  # a short check (about a minute)
     python benchmarks/bench_generate.py --json results.json --update-docs   # the full run (a few minutes)
 
-The same code runs as `python -m minfer bench`; the timing helpers live in `minfer/bench/generate.py`
+The same code runs as `python -m minfer bench`; the timing helpers live in `minfer/lab/bench/generate.py`
 and are the ones the course notebooks use. See `--help` for the options.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from minfer.bench.generate import add_bench_arguments, bench_from_args
+from minfer.lab.bench.generate import add_bench_arguments, bench_from_args
 
 DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"  # this checkout's docs page
 

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_host.py [--baseline DIR] [--steps 40] [--rounds 2] [--update-docs]
 
-Runs `minfer.bench.host` (the same harness as `python -m minfer bench host`: a tiny model, 1, 32
+Runs `minfer.lab.bench.host` (the same harness as `python -m minfer bench host`: a tiny model, 1, 32
 and 256 decoding sequences, greedy and mixed sampling) in a child process on this checkout's
 minfer and, with --baseline, on the minfer of another checkout (e.g. `git worktree add DIR COMMIT`),
 alternating for --rounds rounds; each configuration keeps its best round. The harness file is this
@@ -21,8 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from minfer.bench.common import machine_info, write_docs_section  # noqa: E402
-from minfer.bench.host import HostRow, table  # noqa: E402
+from minfer.lab.bench.common import machine_info, write_docs_section  # noqa: E402
+from minfer.lab.bench.host import HostRow, table  # noqa: E402
 
 DOCS_PAGE = ROOT / "docs" / "benchmarks.md"
 START, END = "<!-- bench_host:start -->", "<!-- bench_host:end -->"

@@ -25,8 +25,8 @@ from typing import Optional
 
 import torch
 
-from minfer.bench.generate import measure_memory_bandwidth
-from minfer.bench.kernels import kernel_bandwidth, quant_matmul_speed
+from minfer.lab.bench.generate import measure_memory_bandwidth
+from minfer.lab.bench.kernels import kernel_bandwidth, quant_matmul_speed
 
 # (N, K) of weight matrices: SmolLM2-135M's qkv, gate_up and down projections, and Llama-3.1-8B's down projection
 MATMUL_SHAPES = [(960, 576), (3072, 576), (576, 1536), (4096, 14336)]

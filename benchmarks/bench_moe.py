@@ -6,7 +6,7 @@
 
 For E in {8, 16} the model's MLPs are carved once (`minfer.moe.carve`, on the calibration text),
 then run with each top-k: perplexity on the fixed evaluation text and greedy agreement with the
-dense model (`minfer.evaluate`), against the active fraction k/E. k = E must give the dense model back.
+dense model (`minfer.lab.evaluate`), against the active fraction k/E. k = E must give the dense model back.
 Then for E = 16, k = 4: the distinct experts a decode step touches per layer at batch B, beside
 E (1 - (1 - k/E)^B), and decode tokens/s at batch 1 and 32, dense against carved (CPU time of one
 torch thread, alternating the two models). Float32 on the CPU.
@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from minfer import LLM
-from minfer.bench.common import machine_info, quiet, write_docs_section
-from minfer.bench.moe import decode_tokens_per_s, distinct_experts_per_step, expected_distinct_experts
-from minfer.evaluate import NUM_TOKENS, eval_set_info, greedy_agreement, greedy_reference, perplexity
+from minfer.lab.bench.common import machine_info, quiet, write_docs_section
+from minfer.lab.bench.moe import decode_tokens_per_s, distinct_experts_per_step, expected_distinct_experts
+from minfer.lab.evaluate import NUM_TOKENS, eval_set_info, greedy_agreement, greedy_reference, perplexity
 from minfer.moe.carve import set_top_k
 
 DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -146,7 +146,7 @@ def markdown(result: dict) -> str:
              f"{result['machine'].get('cpu', 'CPU')}, one torch thread, a 2-core machine shared with other jobs "
              f"(load average {result['machine'].get('load_average_1min', '?')}). "
              f"Perplexity on {result['eval_set']['num_tokens']} tokens of the evaluation text; greedy agreement "
-             "with the dense model (`minfer.evaluate`). Weight 1 on each chosen expert (k = E is the dense model).",
+             "with the dense model (`minfer.lab.evaluate`). Weight 1 on each chosen expert (k = E is the dense model).",
              "", "![carved experts](moe.png)", "",
              "| experts E | top-k | active k/E | perplexity | / dense | greedy agreement |", "|---:|---:|---:|---:|---:|---:|",
              f"| dense | | 1.00 | {dense:.3f} | | 1.000 |"]

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from minfer.bench.common import best_time, machine_info, write_docs_section
+from minfer.lab.bench.common import best_time, machine_info, write_docs_section
 from minfer.layers.moe import moe_mlp, route_topk
 
 DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"

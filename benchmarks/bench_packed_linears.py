@@ -17,10 +17,10 @@ import argparse
 import torch
 import torch.nn.functional as F
 from minfer import LLM
-from minfer.bench.common import best_time
+from minfer.lab.bench.common import best_time
 from minfer.layers import linear
 from minfer.layers.linear import WIDE_FROM_ROWS, PackedLinear, bf16_autocast, packed_dtype, unpack_linears
-from minfer.speculative.distill import final_hidden
+from minfer.lab.distill import final_hidden
 
 ROWS = (1, 2, 3, 4, 8, 16, 64, 256)
 TOKENS = (1, 8, 32, 256)

@@ -25,7 +25,7 @@ from solutions.ch11_scaling_out import (all_reduce_per_token, all_reduce_seconds
                                         weight_bytes_per_device)
 
 from minfer import LLM, SamplingParams  # noqa: E402
-from minfer.bench.common import machine_info  # noqa: E402
+from minfer.lab.bench.common import machine_info  # noqa: E402
 from minfer.config import ModelConfig  # noqa: E402
 
 # Llama-3.1-70B's shape, and the hardware of an 8-GPU NVLink node (H100 SXM: 900 GB/s NVLink per

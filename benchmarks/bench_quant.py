@@ -8,7 +8,7 @@
 Configurations that do not fit the model (int4 g128 on SmolLM2-135M, whose hidden size 576 is
 not a multiple of 128) are skipped with the reason.
 llama.cpp is measured beside minfer when llama-cpp-python is installed (optional). The
-measurements and the scrambled-model rows are explained in `minfer/bench/quant.py`.
+measurements and the scrambled-model rows are explained in `minfer/lab/bench/quant.py`.
 """
 from __future__ import annotations
 
@@ -20,15 +20,15 @@ from pathlib import Path
 
 import torch
 
-from minfer.bench import quant as qb
-from minfer.bench.common import write_docs_section
+from minfer.lab.bench import quant as qb
+from minfer.lab.bench.common import write_docs_section
 
 DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"  # this checkout's docs page
 INTRO = ("Weight-only int8 (per output channel) and int4 (groups of 32/64/128, scale and zero point; 'awq': the same "
          "int4 after activation-aware scales and clipping computed at load time; 'gptq': the same int4 with GPTQ's "
          "codes, after AWQ's scales and in activation order, `minfer/quant/gptq.py`), and the int8 and fp8 (e4m3) KV caches, against "
-         "the unquantized model on the fixed evaluation set of `minfer/evaluate.py`, with bytes and decode speed, "
-         "all in one process. How each number is made: `minfer/bench/quant.py`.")
+         "the unquantized model on the fixed evaluation set of `minfer/lab/evaluate.py`, with bytes and decode speed, "
+         "all in one process. How each number is made: `minfer/lab/bench/quant.py`.")
 
 
 def main(argv=None) -> int:

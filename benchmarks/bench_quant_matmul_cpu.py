@@ -18,7 +18,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from minfer.bench.common import best_time
+from minfer.lab.bench.common import best_time
 from minfer.formats.weights import dequantize_int8, pack_int4, quantize_int4_groupwise, quantize_int8_per_channel
 from minfer.quant.torch_ops import CPU_COMPUTE_DTYPE, INT8_DENSE_FROM_ROWS, int4_mm_cpu, int8_mm_cpu, pack_int4_for_cpu
 

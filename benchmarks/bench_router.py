@@ -2,11 +2,11 @@
 
     OMP_NUM_THREADS=1 python benchmarks/bench_router.py --json docs/bench_router.json --update-docs
 
-Full model: SmolLM2-135M-Instruct. Every task of `minfer.router_tasks.make_tasks` (arithmetic of
+Full model: SmolLM2-135M-Instruct. Every task of `minfer.lab.router_tasks.make_tasks` (arithmetic of
 growing size, copying, formatting, facts; each with a checker) is answered greedily, through the
-chat template, by the full model and by each cheap candidate (`minfer.bench.router.CHEAP_MODELS`). For
+chat template, by the full model and by each cheap candidate (`minfer.lab.bench.router.CHEAP_MODELS`). For
 each candidate: its accuracy, its cost ratio c (one decode step against the full model's, batch 1,
-`minfer.bench.spec.cost_ratio`), and how well each confidence signal separates its right answers
+`minfer.lab.bench.spec.cost_ratio`), and how well each confidence signal separates its right answers
 from its wrong ones (AUC). The candidate and signal whose cheapest threshold keeps the full model's
 accuracy costs least (counting the cheap attempt every request pays) is the operating point; the
 threshold sweep of that pair is the table. Costs are given two ways: by the formula with the
@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from minfer import LLM
-from minfer.bench.common import write_docs_section
-from minfer.bench.router import CHEAP_MODELS, RouterStudy, build_cheap_model, cheapest_study, study_router
-from minfer.router_tasks import answer_tasks, make_tasks
+from minfer.lab.bench.common import write_docs_section
+from minfer.lab.bench.router import CHEAP_MODELS, RouterStudy, build_cheap_model, cheapest_study, study_router
+from minfer.lab.router_tasks import answer_tasks, make_tasks
 
 DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"  # this checkout's docs page
 DOCS_START, DOCS_END = "<!-- bench_router:start -->", "<!-- bench_router:end -->"
@@ -74,7 +74,7 @@ def markdown(result: dict, command: str) -> str:
     best = studies[result["chosen"]]
     op = best.operating_point
     lines = [f"Command: `{command}` ({result['threads']} torch thread, {result['dtype']}, answers of at most "
-             f"{result['max_tokens']} tokens). {n} checkable tasks made in code (`minfer/router_tasks.py`: arithmetic "
+             f"{result['max_tokens']} tokens). {n} checkable tasks made in code (`minfer/lab/router_tasks.py`: arithmetic "
              f"of growing size, copying, formatting, facts); an answer is right when it contains the result. The full "
              f"model (SmolLM2-135M-Instruct) answers {full_acc:.1%} of them right.", "",
              "| cheap model | accuracy | c (decode step vs full) | AUC min_prob | AUC mean_prob | AUC first_margin | "

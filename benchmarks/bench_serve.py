@@ -1,6 +1,6 @@
 """Serving under load: minfer's server with continuous batching against its one-at-a-time server, over HTTP.
 
-The same code runs as `python -m minfer bench serve`; it lives in `minfer/bench/serve.py`, whose
+The same code runs as `python -m minfer bench serve`; it lives in `minfer/lab/bench/serve.py`, whose
 docstring says how each number is measured. This script only knows where the docs page is.
 
     python benchmarks/bench_serve.py --base-url http://127.0.0.1:8000 --sweep 0.5,1,2   # a server already running
@@ -24,7 +24,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from minfer.bench.serve import add_serve_bench_arguments, run_serve_bench
+from minfer.lab.bench.serve import add_serve_bench_arguments, run_serve_bench
 
 DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"  # this checkout's docs page
 

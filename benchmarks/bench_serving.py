@@ -5,7 +5,7 @@
 
 Also measures KV memory waste (contiguous vs paged) and prefix caching (shared system prompt with
 and without the cache, the shared part placed last, passages in a stable vs shuffled order).
-The logic lives in `minfer/bench/serving.py` (the course notebooks call it too). `benchmarks/serving_notes.md`
+The logic lives in `minfer/lab/bench/serving.py` (the course notebooks call it too). `benchmarks/serving_notes.md`
 holds the written analysis (what falls short and why); to rebuild the docs from a saved run without rerunning:
 
     python benchmarks/bench_serving.py --render serving.json --notes benchmarks/serving_notes.md --update-docs --plot docs/serving.png
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from minfer.bench import serving as sb
-from minfer.bench.common import publish_report
+from minfer.lab.bench import serving as sb
+from minfer.lab.bench.common import publish_report
 
 DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"  # this checkout's docs page
 
@@ -71,7 +71,7 @@ def report(result: dict, command: str, args: argparse.Namespace) -> int:
 INTRO = ("Many requests at once, as a server sees them: minfer's continuous batching against its static batches, "
          "one request at a time, and transformers' `generate` on padded batches; the KV memory a contiguous cache "
          "reserves against paged blocks; and prefix caching. Everything in one process, side by side. How it is "
-         "measured: `minfer/bench/serving.py`. Regenerate with `python benchmarks/bench_serving.py --update-docs "
+         "measured: `minfer/lab/bench/serving.py`. Regenerate with `python benchmarks/bench_serving.py --update-docs "
          "--plot docs/serving.png`.")
 
 if __name__ == "__main__":

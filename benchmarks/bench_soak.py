@@ -1,4 +1,4 @@
-"""Soak benchmark: does memory stay flat over thousands of requests? (issue 15; minfer/bench/soak.py)
+"""Soak benchmark: does memory stay flat over thousands of requests? (issue 15; minfer/lab/bench/soak.py)
 
     python benchmarks/bench_soak.py --run --update-docs          # the full run: the long soak, then the variants
     python benchmarks/bench_soak.py --main main.json --compare compare.json --update-docs   # re-render saved runs
@@ -17,8 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from minfer.bench.common import machine_info, write_docs_section
-from minfer.bench.soak import format_table, plot_variants
+from minfer.lab.bench.common import machine_info, write_docs_section
+from minfer.lab.bench.soak import format_table, plot_variants
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS_PAGE = ROOT / "docs" / "benchmarks.md"

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from minfer import LLM
-from minfer.bench.common import machine_info, quiet, synchronize, write_docs_section
-from minfer.bench.spec import (CLOCKS, chat_prompts, cost_ratio, decode_rate, expected_speedup, forward_cost,
+from minfer.lab.bench.common import machine_info, quiet, synchronize, write_docs_section
+from minfer.lab.bench.spec import (CLOCKS, chat_prompts, cost_ratio, decode_rate, expected_speedup, forward_cost,
                                grounded_prompts, verify_costs)
 from minfer.kv_cache import KVCache
 from minfer.speculative import make_proposer
@@ -205,7 +205,7 @@ CLOCK_NOTE = {"cpu": "Times are this process's CPU seconds (one thread, no I/O: 
 INTRO = ("Batch-1 decoding with speculation: n-gram prompt lookup and draft models, measured speedup beside the "
          "formula (1 - alpha^(k+1)) / ((1 - alpha)(v + k c)) with the measured per-token acceptance alpha, draft cost "
          "ratio c and verify cost v (v = 1 in Leviathan et al., 2023). "
-         "The helpers are in `minfer/bench/spec.py` (notebook 07 uses them too).")
+         "The helpers are in `minfer/lab/bench/spec.py` (notebook 07 uses them too).")
 
 
 def main(argv=None) -> int:

@@ -27,12 +27,12 @@ from pathlib import Path
 import torch
 
 from minfer import LLM, SamplingParams
-from minfer.bench.common import best_time, machine_info, write_docs_section
+from minfer.lab.bench.common import best_time, machine_info, write_docs_section
 from minfer.detokenizer import IncrementalDetokenizer
 from minfer.layers.sampler import sample_from
 from minfer.logprobs import Logprob
 from minfer.serving.protocol import completion_logprobs
-from minfer.testing import tiny_hf_checkpoint
+from minfer.lab.testing import tiny_hf_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS_PAGE = ROOT / "docs" / "benchmarks.md"

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from minfer import LLM, SamplingParams  # noqa: E402
-from minfer.bench.common import machine_info, write_docs_section  # noqa: E402
+from minfer.lab.bench.common import machine_info, write_docs_section  # noqa: E402
 from minfer.engine.structured_output import StructuredOutputs  # noqa: E402
 from minfer.sampling_params import StructuredOutputsParams  # noqa: E402
 

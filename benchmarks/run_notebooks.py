@@ -11,7 +11,7 @@ the cells that ran and each one's seconds, the cell that failed or ran out of ti
 summary.json, rewritten after every notebook so that a run killed midway still leaves the rows it finished.
 
 --cells all (the default) runs every cell. --cells gpu runs, in each notebook, only its GPU cells (the cells
-that call `gpu_cell(...)`, minfer.bench.gpu_figures) and the cells they need (minfer.bench.notebook_cells:
+that call `gpu_cell(...)`, minfer.lab.bench.gpu_figures) and the cells they need (minfer.lab.bench.notebook_cells:
 the first code cell, and every cell that last defined a name a needed cell reads, transitively), in notebook
 order. In its executed copy the cells that did not run have no outputs and no execution count (their saved
 outputs are cleared, so that the copy and its figures show only what this run computed); a notebook without
@@ -36,7 +36,7 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # minfer from this checkout (as gpu_check.sh sets)
-from minfer.bench.notebook_cells import cells_calling, code_cells, needed_cells  # noqa: E402
+from minfer.lab.bench.notebook_cells import cells_calling, code_cells, needed_cells  # noqa: E402
 
 GPU_CALLS = {"gpu_cell"}  # what makes a cell a GPU cell
 PASSING = ("ok", "no gpu cell")

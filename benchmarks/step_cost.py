@@ -13,7 +13,7 @@ import argparse
 import torch
 
 from minfer import LLM
-from minfer.bench.common import best_time
+from minfer.lab.bench.common import best_time
 
 SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 

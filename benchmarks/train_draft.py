@@ -24,8 +24,8 @@ import torch
 from tqdm.auto import tqdm
 
 from minfer import LLM, SamplingParams
-from minfer.bench.spec import CHAT_QUESTIONS
-from minfer.speculative.distill import greedy_acceptance, select_head_tokens, teacher_topk, train_draft
+from minfer.lab.bench.spec import CHAT_QUESTIONS
+from minfer.lab.distill import greedy_acceptance, select_head_tokens, teacher_topk, train_draft
 from minfer.speculative.pruned_draft import DISTILLED, DRAFTS_DIR, init_draft_from_target, save_draft
 
 SUBJECTS = ["Python lists", "the moon", "coffee", "photosynthesis", "the French Revolution", "prime numbers",

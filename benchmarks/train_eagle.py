@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from minfer import LLM, SamplingParams
 from minfer.layers.linear import bf16_autocast
-from minfer.speculative.distill import distillation_loss, run_training, select_head_tokens
+from minfer.lab.distill import distillation_loss, run_training, select_head_tokens
 from minfer.speculative.eagle_head import EAGLE_DIR, EagleHead, eagle_from_target, save_eagle
 from minfer.texts import EVAL_TOPICS
 from train_draft import chat_prompts, pack

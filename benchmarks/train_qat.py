@@ -1,4 +1,4 @@
-"""Quantization-aware fine-tuning of SmolLM2-135M for int4 g64 (`minfer.quant.qat`), measured before and after.
+"""Quantization-aware fine-tuning of SmolLM2-135M for int4 g64 (`minfer.lab.qat`), measured before and after.
 
     OMP_NUM_THREADS=1 python benchmarks/train_qat.py --json docs/qat.json     # writes the int4 checkpoint too
     OMP_NUM_THREADS=1 python benchmarks/train_qat.py --quick --out /tmp/qat   # a smoke run
@@ -8,11 +8,11 @@ Steps, all on the CPU with fixed seeds, nothing downloaded:
      of matrix rounded to int4 g64, to choose what to train;
   2. fine-tune: every matrix fake-quantized, the chosen ones (default qkv_proj and down_proj) trained
      with straight-through gradients to match the float model's logits (KL), on pydoc topics kept
-     apart from the evaluation text (`minfer.quant.qat.training_topics`), bfloat16 autocast;
+     apart from the evaluation text (`minfer.lab.qat.training_topics`), bfloat16 autocast;
   3. quantize the tuned weights to plain int4 g64 and save the checkpoint (`--out`, default
-     `minfer.quant.qat.default_checkpoint_dir()`, outside the repository: about 200 MB, the float32 embedding
+     `minfer.lab.qat.default_checkpoint_dir()`, outside the repository: about 200 MB, the float32 embedding
      being 113 MB of it);
-  4. measure through the engine (`minfer.evaluate`, the benchmark's full preset): perplexity and
+  4. measure through the engine (`minfer.lab.evaluate`, the benchmark's full preset): perplexity and
      greedy agreement of the float model, plain int4 g64 and the QAT int4 g64 model, and each kind of
      matrix's quantization error; all written to --json with the loss curve and the times.
 """
@@ -29,14 +29,14 @@ import torch
 from tqdm.auto import tqdm
 
 from minfer import LLM
-from minfer.bench.common import machine_info
-from minfer.evaluate import EVAL_PROMPTS, eval_tokens, greedy_agreement, greedy_reference, perplexity
+from minfer.lab.bench.common import machine_info
+from minfer.lab.evaluate import EVAL_PROMPTS, eval_tokens, greedy_agreement, greedy_reference, perplexity
 from minfer.models.llama import LlamaModel
 from minfer.models.loader import load_model
 from minfer.quant.awq import fake_quantize_int4
 from minfer.quant.checkpoint import save_quantized
 from minfer.quant.linear import quantize_model
-from minfer.quant.qat import (LINEAR_NAMES, default_checkpoint_dir, finish_qat, model_perplexity, prepare_qat,
+from minfer.lab.qat import (LINEAR_NAMES, default_checkpoint_dir, finish_qat, model_perplexity, prepare_qat,
                               quantization_errors, train_qat, training_rows)
 
 

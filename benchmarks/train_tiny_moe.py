@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/train_tiny_moe.py                  # about 4 minutes on one core
     OMP_NUM_THREADS=1 python benchmarks/train_tiny_moe.py --steps 60       # a quick check
 
-Four runs of `minfer.moe.tiny` on pydoc text outside the evaluation topics: dense (d_ff = F);
+Four runs of `minfer.lab.tiny_moe` on pydoc text outside the evaluation topics: dense (d_ff = F);
 E experts of size F, top-1, with Switch's load-balancing loss; the same without it; and with it
 plus a capacity factor of 1.0 during training (tokens beyond an expert's capacity dropped).
 Written to docs/tiny_moe.json: validation loss against training FLOPs, parameter counts, each
@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from minfer.bench.common import machine_info, write_docs_section
-from minfer.moe.tiny import TinyConfig, byte_splits, dropped_share, evaluate, expert_load, train
+from minfer.lab.bench.common import machine_info, write_docs_section
+from minfer.lab.tiny_moe import TinyConfig, byte_splits, dropped_share, evaluate, expert_load, train
 
 CAPACITY_FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
 DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"

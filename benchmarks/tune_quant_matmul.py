@@ -37,7 +37,7 @@ def time_us(run) -> float:
 
 def tune(n: int, k: int, rows: int, group_sizes: tuple = (64,), device: str = "cuda") -> list[dict]:
     """Every tile choice of int8 and of int4 in each group size, timed, with dense ``F.linear`` beside them."""
-    from minfer.bench.kernels import quant_operands
+    from minfer.lab.bench.kernels import quant_operands
     from minfer.formats.weights import pack_int4, quantize_int4_groupwise
     from minfer.kernels.quant_matmul import int4_matmul, int8_matmul
 

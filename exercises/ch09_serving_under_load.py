@@ -46,7 +46,7 @@ def poisson_arrival_times(rate: float, num_requests: int, seed: int, burstiness:
     The first request goes at 0; each next one follows after a gap drawn from a gamma distribution
     with shape = burstiness and mean 1 / rate (so scale = 1 / (rate * burstiness)), the gaps drawn
     in order from one `random.Random(seed)` with `gammavariate(burstiness, 1 / (rate * burstiness))`
-    (the load generator's `minfer.bench.loadgen.arrival_times(num_requests, rate, burstiness, seed)`, note
+    (the load generator's `minfer.lab.bench.loadgen.arrival_times(num_requests, rate, burstiness, seed)`, note
     the other order, draws the same times).
     burstiness = 1 gives exponential gaps, a Poisson process; below 1 the requests come in
     bursts, above 1 more evenly (the gaps' coefficient of variation is 1 / sqrt(burstiness)).

@@ -22,17 +22,11 @@ never one above, and nothing imports in a circle (tests/test_import_layers.py ho
     serving/           the OpenAI-compatible HTTP server around an LLM
     __init__.py        the public names: LLM, SamplingParams, RequestOutput, ...
 
-Course code sits on top and may use all of it; the library never imports it:
+Course code sits on top, in its own package, and may use all of it; the library never imports it:
 
-    bench/             benchmark harnesses (`python -m minfer bench`, benchmarks/, the notebooks)
+    lab/               benchmark harnesses, evaluation, the course machinery, the router study, test models,
+                       and the training code of chapters 06b, 08 and 10 (see minfer/lab/__init__.py)
     __main__.py        the `minfer` command line
-    evaluate.py        perplexity and greedy agreement through the public API
-    course.py          load the learner's code (or the worked solutions) and check it
-    testing.py         small models with random weights, for tests and benchmarks
-    router.py          a router: easy requests to a cheap model, hard ones to the full model (chapter 08)
-    router_tasks.py    the router's labelled, checkable tasks, made in code
-    glass.py           a notebook's window on a running engine: its KV pool, queues and last step
-    moe/tiny.py, quant/qat.py, speculative/distill.py   the course's training code (chapters 10, 06b, 08)
 """
 from minfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minfer.sampling_params import SamplingParams
@@ -41,7 +35,7 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Reques
 
 
 def __getattr__(name: str):
-    # LLM brings the whole engine, Triton included: imported when first used, so that `import minfer.course`
+    # LLM brings the whole engine, Triton included: imported when first used, so that `import minfer.lab.course`
     # stays light and a notebook can still choose Triton's interpreter before Triton is imported.
     if name == "LLM":
         from minfer.llm import LLM

@@ -19,7 +19,7 @@ DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
 
 def demo(args: argparse.Namespace) -> int:
-    from minfer.bench.common import quiet
+    from minfer.lab.bench.common import quiet
     from minfer.llm import LLM
     from minfer.sampling_params import SamplingParams
 
@@ -48,7 +48,7 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
-    from minfer.bench.generate import bench_from_args
+    from minfer.lab.bench.generate import bench_from_args
 
     bench_from_args(args)
     return 0
@@ -67,29 +67,29 @@ def quantize(args: argparse.Namespace) -> int:
 
 
 def bench_soak(args: argparse.Namespace) -> int:
-    from minfer.bench.soak import run_soak
+    from minfer.lab.bench.soak import run_soak
 
     return run_soak(args)
 
 
 def bench_serve(args: argparse.Namespace) -> int:
-    from minfer.bench.serve import run_serve_bench
+    from minfer.lab.bench.serve import run_serve_bench
 
     return run_serve_bench(args)
 
 
 def bench_host(args: argparse.Namespace) -> int:
-    from minfer.bench.host import run_from_args
+    from minfer.lab.bench.host import run_from_args
 
     run_from_args(args)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from minfer.bench.generate import add_bench_arguments
-    from minfer.bench.host import add_host_arguments
-    from minfer.bench.serve import add_serve_bench_arguments
-    from minfer.bench.soak import add_soak_arguments
+    from minfer.lab.bench.generate import add_bench_arguments
+    from minfer.lab.bench.host import add_host_arguments
+    from minfer.lab.bench.serve import add_serve_bench_arguments
+    from minfer.lab.bench.soak import add_soak_arguments
     from minfer.quant.checkpoint import add_quantize_arguments
     from minfer.serving.api_server import add_serve_arguments
 

@@ -3,7 +3,7 @@
 The model's last layer gives logits, one score per vocabulary token. log_softmax turns a row of
 logits into log-probabilities: logprob(t) = logit(t) - log(sum over all tokens of exp(logit)).
 Summed over a text, -logprob is its negative log-likelihood, and exp(mean NLL) is the perplexity
-(`minfer.evaluate`): the number every quantization step is measured against.
+(`minfer.lab.evaluate`): the number every quantization step is measured against.
 
 What a request gets back (vLLM's shape): for each position, a dict {token id: Logprob} holding the
 token actually there (sampled, or read from the prompt) first, then the num_top most likely

@@ -1,12 +1,12 @@
 """The fixed texts minfer measures and calibrates on: slices of the Python documentation that ships
 inside every CPython (`pydoc_data.topics`; no download), chosen by topic name.
 
-    eval_tokens(tokenizer)            the evaluation text (perplexity, `minfer.evaluate`)
+    eval_tokens(tokenizer)            the evaluation text (perplexity, `minfer.lab.evaluate`)
     calibration_token_ids(tokenizer)  the calibration text (AWQ, GPTQ, carved experts, fp8 KV scales)
 
 The two sets of topics are disjoint, so nothing is ever fitted to the text it is judged on. The
 text can change between CPython versions: compare numbers made with the same Python
-(`minfer.evaluate.eval_set_info`). Everything here is plain Python on a tokenizer: it imports
+(`minfer.lab.evaluate.eval_set_info`). Everything here is plain Python on a tokenizer: it imports
 nothing of minfer, so the quantizers, the engine and the course's evaluation can all share it.
 """
 from __future__ import annotations

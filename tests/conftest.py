@@ -1,7 +1,7 @@
 """Shared fixtures: the real model, its transformers reference, and the tiny random models; and the
 order in which the test files run (longest first, from tests/durations.json).
 
-The tiny models are built by `minfer.testing` (one builder per kind); the fixtures here give each
+The tiny models are built by `minfer.lab.testing` (one builder per kind); the fixtures here give each
 variant a name, build it once per test process, and never write into it (a test that changes its
 model's files builds its own copy in tmp_path).
 """
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from minfer import LLM
-from minfer.course import IMPLS
+from minfer.lab.course import IMPLS
 from minfer.models.loader import load_model, save_hf_checkpoint
-from minfer.testing import random_checkpoint, tiny_hf_checkpoint
+from minfer.lab.testing import random_checkpoint, tiny_hf_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -28,7 +28,7 @@ def llm() -> LLM:
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory, llm):
     """tiny_checkpoint(model_type="llama", tie=True, **config) -> the folder of a tiny random transformers
-    model with SmolLM2's tokenizer (`minfer.testing.tiny_hf_checkpoint`), built once per set of arguments."""
+    model with SmolLM2's tokenizer (`minfer.lab.testing.tiny_hf_checkpoint`), built once per set of arguments."""
     built: dict = {}
 
     def build(model_type: str = "llama", tie: bool = True, **overrides) -> str:
@@ -63,7 +63,7 @@ def tiny_small_vocab_dir(tiny_checkpoint) -> str:
 
 @pytest.fixture(scope="session")
 def random_tiny_dir(tmp_path_factory) -> str:
-    """`minfer.testing.random_checkpoint`'s "tiny" shape (seed 1): vocabulary 512, a word-level tokenizer."""
+    """`minfer.lab.testing.random_checkpoint`'s "tiny" shape (seed 1): vocabulary 512, a word-level tokenizer."""
     return random_checkpoint(str(tmp_path_factory.mktemp("random_tiny")), "tiny", seed=1)
 
 

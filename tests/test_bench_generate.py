@@ -1,4 +1,4 @@
-"""The timing helpers of minfer.bench.generate and minfer.bench.common, on a tiny random model (fast), and the CLI.
+"""The timing helpers of minfer.lab.bench.generate and minfer.lab.bench.common, on a tiny random model (fast), and the CLI.
 
 No absolute timing is asserted (the machine is shared). The arithmetic of each timing is checked
 exactly against a fake clock; real timings only against bounds from first principles (a request's
@@ -19,9 +19,9 @@ import torch
 
 from minfer import LLM, SamplingParams
 from minfer.__main__ import main
-from minfer.bench import common
-from minfer.bench import generate as bm
-from minfer.testing import MODEL_SHAPES, random_checkpoint
+from minfer.lab.bench import common
+from minfer.lab.bench import generate as bm
+from minfer.lab.testing import MODEL_SHAPES, random_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = MODEL_SHAPES["tiny"]

@@ -5,8 +5,8 @@ import pytest
 import torch
 import triton.testing
 
-import minfer.bench.kernels as bench
-from minfer.bench.kernels import contiguous_cache, kernel_bandwidth, quant_matmul_speed, sdpa_decode
+import minfer.lab.bench.kernels as bench
+from minfer.lab.bench.kernels import contiguous_cache, kernel_bandwidth, quant_matmul_speed, sdpa_decode
 from minfer.kernels.paged_decode_attention import paged_decode_attention_reference
 
 

@@ -3,9 +3,9 @@ import importlib.util
 import json
 import random
 
-from minfer.router import SIGNALS
-from minfer.router_tasks import make_tasks
-from minfer.course import REPO_ROOT
+from minfer.lab.router import SIGNALS
+from minfer.lab.router_tasks import make_tasks
+from minfer.lab.course import REPO_ROOT
 
 spec = importlib.util.spec_from_file_location("bench_router", REPO_ROOT / "benchmarks" / "bench_router.py")
 bench_router = importlib.util.module_from_spec(spec)

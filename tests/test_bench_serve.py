@@ -1,4 +1,4 @@
-"""The load generator (minfer/bench/serve.py and the modules it uses): its formulas, and its client against a fake OpenAI server.
+"""The load generator (minfer/lab/bench/serve.py and the modules it uses): its formulas, and its client against a fake OpenAI server.
 
 The fake server (`fake_app`) streams `max_tokens` chunks with a small sleep between them, as the
 OpenAI API documents streamed completions; with `serial=True` it serves one request at a time, so
@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 
-from minfer.bench import latency, launch, loadgen, serve, serve_report
+from minfer.lab.bench import latency, launch, loadgen, serve, serve_report
 from minfer.models import loader
 
 FAKE_MODEL = "fake-model"

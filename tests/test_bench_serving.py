@@ -1,4 +1,4 @@
-"""The serving benchmark's helpers (minfer/bench/serving.py) on a tiny random model: fast, no timing asserts."""
+"""The serving benchmark's helpers (minfer/lab/bench/serving.py) on a tiny random model: fast, no timing asserts."""
 import importlib.util
 import json
 import random
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from minfer import LLM
-from minfer.bench import serving as sb
+from minfer.lab.bench import serving as sb
 
 REPO = Path(__file__).resolve().parent.parent
 BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny_dir's K and V: 2 layers x 2 KV heads x head_dim 16, float32

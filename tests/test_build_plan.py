@@ -9,7 +9,7 @@ from minfer.config import EngineConfig, ModelConfig
 from minfer.engine.build import build_model, check_combinations, plan, rank_checkpoint, refusals
 from minfer.layers.parallel_linear import CommStats
 from minfer.models.loader import load_model
-from minfer.testing import random_checkpoint
+from minfer.lab.testing import random_checkpoint
 
 DENSE = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                     head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=128,

@@ -1,8 +1,8 @@
-"""minfer.course reads what a chapter's tests recorded (a kernel's measured speedup on CUDA) from pytest's report."""
+"""minfer.lab.course reads what a chapter's tests recorded (a kernel's measured speedup on CUDA) from pytest's report."""
 import subprocess
 import sys
 
-from minfer.course import _parse_junit, why_no_report
+from minfer.lab.course import _parse_junit, why_no_report
 
 
 def test_recorded_properties_and_outcomes_come_back(tmp_path):

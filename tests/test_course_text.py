@@ -162,7 +162,7 @@ def test_the_making_of_check_catches(text: str, prose: bool, caught: bool) -> No
 
 def recorded_run_seconds(path: Path) -> float:
     """The sum of the code cells' run times in the notebook's execution metadata (as nbclient records them)."""
-    from minfer.bench.notebook_cells import recorded_seconds
+    from minfer.lab.bench.notebook_cells import recorded_seconds
 
     times = [recorded_seconds(c) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
     assert all(t is not None for t in times), f"{path.name}: a code cell without its execution times (re-execute it)"

@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent("""
     from minfer import LLM, SamplingParams
     from minfer.engine.cuda_graphs import DecodeGraphs
     from minfer.engine.model_runner import blocks_per_sequence
-    from minfer.testing import random_checkpoint
+    from minfer.lab.testing import random_checkpoint
 
     folder = random_checkpoint(tempfile.mkdtemp(), "tiny")
     rng = random.Random(0)
@@ -117,7 +117,7 @@ def test_graphs_only_where_they_can_record(random_tiny_dir, tmp_path):
     from minfer import LLM
     from minfer.engine.compiled_decode import CompiledDecode
     from minfer.engine.cuda_graphs import DecodeGraphs
-    from minfer.testing import tiny_moe_checkpoint, word_tokenizer
+    from minfer.lab.testing import tiny_moe_checkpoint, word_tokenizer
 
     llm = LLM(random_tiny_dir, dtype="float32", device="cpu", num_gpu_blocks_override=16, enforce_eager=False)
     assert isinstance(llm.engine.runner.decode_step, CompiledDecode)

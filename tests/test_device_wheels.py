@@ -1,7 +1,7 @@
 """benchmarks/device_wheels.py: which packages travel to a GPU machine as wheels (no download here)."""
 import sys
 
-from minfer.course import REPO_ROOT
+from minfer.lab.course import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 import device_wheels  # noqa: E402

@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-from minfer.speculative.distill import distillation_loss, greedy_acceptance, select_head_tokens, teacher_topk, train_draft
+from minfer.lab.distill import distillation_loss, greedy_acceptance, select_head_tokens, teacher_topk, train_draft
 from minfer.speculative.pruned_draft import KNOWN_DRAFTS, init_draft_from_target, load_draft, prune_mlp, save_draft
-from minfer.testing import tiny_llama
+from minfer.lab.testing import tiny_llama
 
 
 def test_loss_is_the_kl_by_hand():

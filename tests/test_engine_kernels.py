@@ -14,7 +14,7 @@ import pytest
 SCRIPT = textwrap.dedent("""
     import random, sys, tempfile
     from minfer import LLM, SamplingParams
-    from minfer.testing import random_checkpoint
+    from minfer.lab.testing import random_checkpoint
 
     folder = random_checkpoint(tempfile.mkdtemp(), "tiny")
     rng = random.Random(0)
@@ -39,7 +39,7 @@ COMPILED_SCRIPT = textwrap.dedent("""
     import tempfile
     import torch
     from minfer import LLM, SamplingParams
-    from minfer.testing import tiny_moe_checkpoint, word_tokenizer
+    from minfer.lab.testing import tiny_moe_checkpoint, word_tokenizer
 
     folder = tempfile.mkdtemp()
     tiny_moe_checkpoint(folder, word_tokenizer(512), "qwen3", vocab_size=512)  # q/k norms: q is not laid out as the output

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from minfer.evaluate import (EVAL_PROMPTS, context_windows, eval_set_info, greedy_agreement, greedy_reference, perplexity,
+from minfer.lab.evaluate import (EVAL_PROMPTS, context_windows, eval_set_info, greedy_agreement, greedy_reference, perplexity,
                              token_nlls)
 from minfer.texts import eval_text, eval_tokens
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from minfer.course import REPO_ROOT, load_impl, run_tests
+from minfer.lab.course import REPO_ROOT, load_impl, run_tests
 
 CHAPTERS = sorted(p.stem for p in (REPO_ROOT / "exercises").glob("ch*.py"))
 

@@ -198,7 +198,7 @@ def test_text_prompts_get_the_tokenizers_bos_and_chat_prompts_no_second_one(tmp_
     from transformers import AutoTokenizer
 
     from minfer import LLM
-    from minfer.testing import random_checkpoint
+    from minfer.lab.testing import random_checkpoint
 
     folder = random_checkpoint(str(tmp_path / "bos"), "tiny", seed=1)
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -2,7 +2,7 @@
 import pytest
 
 from minfer import LLM
-from minfer.glass import SHARED_PREFIX, GlassEngine, picture
+from minfer.lab.glass import SHARED_PREFIX, GlassEngine, picture
 
 
 @pytest.fixture()

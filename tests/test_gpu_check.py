@@ -1,7 +1,7 @@
 """benchmarks/gpu_check.sh's notebook parts, rehearsed on the CPU: whole notebooks (PARTS=notebooks) run within
 their budget into the output folder, figures and a summary beside them, the GPU cells' figures in OUT/gpu, failures
 and timeouts named; the gpu-cells part runs only the GPU cells and the cells they need; and the cell-dependency
-analysis that picks those cells (minfer.bench.notebook_cells)."""
+analysis that picks those cells (minfer.lab.bench.notebook_cells)."""
 import importlib.util
 import json
 import os
@@ -12,13 +12,13 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from minfer.bench.notebook_cells import cells_calling, defined_and_read, needed_cells
+from minfer.lab.bench.notebook_cells import cells_calling, defined_and_read, needed_cells
 
 REPO = Path(__file__).resolve().parent.parent
 
 CELLS = {
     "a_ok": ["import matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.show()",
-             "from minfer.bench.gpu_figures import gpu_cell\n"
+             "from minfer.lab.bench.gpu_figures import gpu_cell\n"
              "gpu_cell('ch99', 'rehearsal', lambda: {'batch': [1, 2], 'tokens/s': [3.0, 5.0]}, '../docs/gpu')"],
     "b_error": ["x = 1", "raise RuntimeError('planted failure')", "print('never')"],
     "c_slow": ["import time\ntime.sleep(60)"],
@@ -26,7 +26,7 @@ CELLS = {
 
 # gpu-cells: cell 4 (the GPU cell) needs 0 (set-up), 1 (rate, mutated by 3) and 3; never 2 (slow) or 5 (raises)
 GPU_CELLS = {
-    "g_gpu": ["import time\nfrom minfer.bench.gpu_figures import gpu_cell",
+    "g_gpu": ["import time\nfrom minfer.lab.bench.gpu_figures import gpu_cell",
               "class Box:\n    pass\nrate = Box()\nrate.value = 2.0",
               "time.sleep(30)\nslow = 1",
               "rate.value *= 4",
@@ -113,7 +113,7 @@ def test_any_exception_becomes_an_error_row_and_the_summary_is_written(tmp_path,
             raise OSError("kernel failed to start: planted")
 
     monkeypatch.setattr(run_notebooks, "NotebookClient", NoKernel)
-    books = write_notebooks(tmp_path, {"a": ["x = 1"], "b": ["from minfer.bench.gpu_figures import gpu_cell\ngpu_cell()"]})
+    books = write_notebooks(tmp_path, {"a": ["x = 1"], "b": ["from minfer.lab.bench.gpu_figures import gpu_cell\ngpu_cell()"]})
     out = tmp_path / "out"
     assert run_notebooks.main([str(out), *books, "--cells", "gpu"]) == 1
     rows = json.loads((out / "summary.json").read_text())
@@ -160,6 +160,6 @@ def test_a_name_read_before_the_cell_rebinds_it_comes_from_an_earlier_cell():
 
 
 def test_cells_calling_finds_gpu_cells_and_magics_parse():
-    cells = code("%matplotlib inline\nimport torch", "from minfer.bench.gpu_figures import gpu_cell",
+    cells = code("%matplotlib inline\nimport torch", "from minfer.lab.bench.gpu_figures import gpu_cell",
                  "gpu_cell('ch00', 't', lambda: {}, 'x')", "figures.gpu_cell('ch00')", "gpu_cell_count = 1")
     assert cells_calling(cells, {"gpu_cell"}) == [2, 3]

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from minfer.bench import gpu_figures as gf
+from minfer.lab.bench import gpu_figures as gf
 
 
 def test_gpu_cell_on_cpu_shows_that_none_are_stored_and_does_not_measure(tmp_path, monkeypatch, capsys):

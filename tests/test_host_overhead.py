@@ -4,7 +4,7 @@ import tempfile
 
 import pytest
 
-from minfer.bench.host import measure, tiny_llm
+from minfer.lab.bench.host import measure, tiny_llm
 from minfer.engine.block_tables import BlockTables
 from minfer.outputs import RequestMetrics
 from minfer.sampling_params import SamplingParams

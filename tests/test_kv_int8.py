@@ -70,7 +70,7 @@ def test_pool_bytes_count_the_scales(llm):
 
 def test_memory_budget_holds_more_int8_blocks(tmp_path):
     """LLM._blocks_for_memory: the same budget gives int8 ~2x the blocks of bfloat16 and ~4x those of float32."""
-    from minfer.testing import random_checkpoint
+    from minfer.lab.testing import random_checkpoint
 
     folder = random_checkpoint(str(tmp_path), "tiny")
     llms = {(dtype, kind): LLM(folder, dtype=dtype, device="cpu", kv_cache_memory_bytes=2**22, kv_cache_dtype=kind)
@@ -91,7 +91,7 @@ def test_bad_kv_cache_dtype_is_rejected(tmp_path, llm):
 
 
 def test_static_loop_refuses_int8(tmp_path):
-    from minfer.testing import random_checkpoint
+    from minfer.lab.testing import random_checkpoint
 
     llm8 = LLM(random_checkpoint(str(tmp_path), "tiny"), dtype="float32", device="cpu", num_gpu_blocks_override=16,
                kv_cache_dtype="int8")

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minfer.bench.common import best_time
+from minfer.lab.bench.common import best_time
 from minfer.layers import linear as linear_module
 from minfer.layers.linear import (WIDE_FROM_ROWS, PackedLinear, bf16_autocast, pack_linears, packed_dtype, packs_here,
                                  unpack_linears)

@@ -7,7 +7,7 @@ import torch
 from minfer import LLM
 from minfer.models import loader
 from minfer.models.loader import gguf_tokenizer, load_model, resolve_model_path, tokenizer_cache_dir, unpermute_qk
-from minfer.testing import tiny_hf_checkpoint
+from minfer.lab.testing import tiny_hf_checkpoint
 
 
 @pytest.mark.parametrize("model_type,tie", [("llama", False), ("llama", True), ("qwen2", False)])

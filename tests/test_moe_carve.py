@@ -5,7 +5,7 @@ import torch
 
 from minfer import LLM, SamplingParams
 from minfer.moe.carve import CarvedMoE, balanced_assign, carve_model, cluster_neurons, set_top_k
-from minfer.testing import tiny_llama
+from minfer.lab.testing import tiny_llama
 
 
 def _calibration(model, n=128, seed=0):

@@ -1,6 +1,6 @@
 """Mixtral, Qwen2-MoE, Qwen3-MoE (and dense Qwen3) against transformers, on tiny random checkpoints.
 
-The checkpoints are made by transformers' own classes (`minfer.testing.tiny_moe_checkpoint`), with
+The checkpoints are made by transformers' own classes (`minfer.lab.testing.tiny_moe_checkpoint`), with
 the routers' weights scaled up so that tokens really go to different experts.
 """
 import json
@@ -13,7 +13,7 @@ from minfer.layers.moe import distinct_experts, tokens_per_expert
 from minfer.models.llama import LlamaModel
 from minfer.models.loader import hf_config_to_model_config, load_model, save_hf_checkpoint
 from minfer.models.moe import moe_blocks
-from minfer.testing import tiny_moe_checkpoint, word_tokenizer
+from minfer.lab.testing import tiny_moe_checkpoint, word_tokenizer
 
 VOCAB = 512
 # (family, experts, top-k, overrides): several expert counts and k; sparse-layer selection in Qwen's two ways

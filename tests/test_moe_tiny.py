@@ -1,9 +1,9 @@
-"""The tiny MoE trainer (minfer.moe.tiny): capacity and the balancing loss by hand, equal active compute,
+"""The tiny MoE trainer (minfer.lab.tiny_moe): capacity and the balancing loss by hand, equal active compute,
 and a few training steps that lower the loss."""
 import pytest
 import torch
 
-from minfer.moe.tiny import (TinyConfig, TinyLM, active_params, byte_splits, capacity_mask, expert_capacity, train,
+from minfer.lab.tiny_moe import (TinyConfig, TinyLM, active_params, byte_splits, capacity_mask, expert_capacity, train,
                              load_balancing_loss)
 
 

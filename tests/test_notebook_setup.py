@@ -1,5 +1,5 @@
 """Every notebook opens with the set-up cell: on Google Colab it installs the course from the repository that
-pyproject.toml names, then calls `minfer.course.setup_notebook()`; elsewhere it prints one line.
+pyproject.toml names, then calls `minfer.lab.course.setup_notebook()`; elsewhere it prints one line.
 
 The cell comes right after the chapter's opening text, before the imports, and its first lines are plain Python:
 on a fresh Colab runtime there is no minfer to import until the cell has installed it.
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from minfer.course import setup_notebook
+from minfer.lab.course import setup_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))

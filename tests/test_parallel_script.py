@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from minfer.models.loader import load_model
-from minfer.testing import random_checkpoint, tiny_hf_checkpoint
+from minfer.lab.testing import random_checkpoint, tiny_hf_checkpoint
 
 ENV = dict(os.environ, OMP_NUM_THREADS="2")
 

@@ -7,7 +7,7 @@ from minfer.quant.gptq import DAMPING, apply_gptq, gptq_quantize, input_hessian
 from minfer.quant.linear import Int4Linear, quantize_model
 from minfer.config import ModelConfig
 from minfer.models.llama import LlamaModel
-from minfer.testing import tiny_llama
+from minfer.lab.testing import tiny_llama
 
 
 def tiny_model() -> LlamaModel:

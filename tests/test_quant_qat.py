@@ -1,4 +1,4 @@
-"""Quantization-aware fine-tuning (minfer/quant/qat.py): straight-through fake quantization, what is trained,
+"""Quantization-aware fine-tuning (minfer/lab/qat.py): straight-through fake quantization, what is trained,
 that training lowers the loss, that the deployed int4 model computes what training saw, and the text kept apart."""
 import copy
 
@@ -7,13 +7,13 @@ import torch
 
 from minfer import LLM
 from minfer.config import ModelConfig
-from minfer.evaluate import perplexity
+from minfer.lab.evaluate import perplexity
 from minfer.models.llama import LlamaModel
 from minfer.quant.awq import fake_quantize_int4
 from minfer.quant.linear import Int4Linear, quantize_model
-from minfer.quant.qat import (FakeQuantLinear, finish_qat, logits_of, model_perplexity, prepare_qat,
+from minfer.lab.qat import (FakeQuantLinear, finish_qat, logits_of, model_perplexity, prepare_qat,
                               quantization_errors, straight_through, train_qat, training_topics)
-from minfer.speculative.distill import distillation_loss
+from minfer.lab.distill import distillation_loss
 from minfer.texts import EVAL_TOPICS, eval_text, eval_tokens
 
 

@@ -14,7 +14,7 @@ from minfer.models.quantization_config import check_quantization_config, is_quan
 from minfer.quant.checkpoint import build_quantized_model
 from minfer.quant.linear import quantize_model
 from minfer.quant.schemes import SCHEMES, get_scheme
-from minfer.testing import tiny_llama
+from minfer.lab.testing import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 

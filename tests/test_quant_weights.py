@@ -25,7 +25,7 @@ from minfer.quant.torch_ops import (INT8_DENSE_FROM_ROWS, dequantize_int4_cpu, i
                                     pack_int4_for_cpu)
 from minfer.formats.weights import (dequantize_int4, dequantize_int8, pack_int4, quantize_int4_groupwise,
                                   quantize_int8_per_channel, unpack_int4)
-from minfer.testing import random_checkpoint
+from minfer.lab.testing import random_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -140,7 +140,7 @@ KERNEL_SCRIPT = textwrap.dedent("""
     from minfer.kernels.quant_matmul import int4_matmul, int4_matmul_reference, int8_matmul, int8_matmul_reference
     from minfer.formats.weights import pack_int4, quantize_int4_groupwise, quantize_int8_per_channel
     from minfer import LLM
-    from minfer.testing import random_checkpoint
+    from minfer.lab.testing import random_checkpoint
     from minfer.quant import quantize_model
     import copy
 
@@ -363,7 +363,7 @@ def test_real_model_greedy_agreement_and_bytes(llm, greedy_reference, method, gr
 
 
 def test_smollm2_group_sizes():
-    from minfer.testing import MODEL_SHAPES
+    from minfer.lab.testing import MODEL_SHAPES
 
     assert allowed_group_sizes(MODEL_SHAPES["smollm2-135m"]) == [32, 64]  # 576 = 4.5 x 128
 

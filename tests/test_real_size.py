@@ -1,8 +1,8 @@
-"""The real-size speed lesson (minfer/bench/real_size.py): the shapes are Llama's (parameter counts as published),
+"""The real-size speed lesson (minfer/lab/bench/real_size.py): the shapes are Llama's (parameter counts as published),
 and the measurement runs end to end on the CPU with a toy shape, dense first, every format against it."""
 import torch
 
-from minfer.bench.real_size import random_model, real_size_decode
+from minfer.lab.bench.real_size import random_model, real_size_decode
 
 
 def test_the_shapes_have_the_published_sizes():

@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from minfer.bench.spec import cost_ratio
-from minfer.router import (Answer, Router, candidate_thresholds, cheapest_threshold, evaluate_routing, greedy_answer,
+from minfer.lab.bench.spec import cost_ratio
+from minfer.lab.router import (Answer, Router, candidate_thresholds, cheapest_threshold, evaluate_routing, greedy_answer,
                            greedy_answers, route, routing_cost, separation_auc, threshold_sweep)
 from minfer.speculative.pruned_draft import init_draft_from_target
-from minfer.testing import tiny_llama
+from minfer.lab.testing import tiny_llama
 
 
 def test_route_escalates_when_unsure():

@@ -1,8 +1,8 @@
 """The router's labelled task set: enough tasks, reproducible, and checkers that accept right answers only."""
 import pytest
 
-from minfer.router import SIGNALS
-from minfer.router_tasks import Task, answer_tasks, make_tasks, task_prompt_ids
+from minfer.lab.router import SIGNALS
+from minfer.lab.router_tasks import Task, answer_tasks, make_tasks, task_prompt_ids
 
 
 def test_the_set_is_large_reproducible_and_its_answers_are_right():

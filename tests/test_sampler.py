@@ -2,8 +2,8 @@
 import torch
 
 from minfer import SamplingParams
-from minfer.bench.common import best_time
-from minfer.bench.host import OpCounter
+from minfer.lab.bench.common import best_time
+from minfer.lab.bench.host import OpCounter
 from minfer.layers.sampler import (SamplingTensors, filter_logits, filter_rows, random_uniforms, sample_from,
                                    sample_next_tokens)
 

@@ -18,8 +18,8 @@ import openai
 import pytest
 
 from minfer import SamplingParams
-from minfer.bench.launch import free_port, stop_server, wait_until_ready
-from minfer.bench.soak import server_metrics
+from minfer.lab.bench.launch import free_port, stop_server, wait_until_ready
+from minfer.lab.bench.soak import server_metrics
 
 MODEL = "smollm2-135m"
 pytestmark = pytest.mark.slow  # servers start in subprocesses: about 90 s for the file
@@ -69,7 +69,7 @@ def server():
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
     """A tiny random model with a long context: a request of 4,000 tokens runs for seconds."""
-    from minfer.testing import MODEL_SHAPES, random_checkpoint
+    from minfer.lab.testing import MODEL_SHAPES, random_checkpoint
 
     shape = dataclasses.replace(MODEL_SHAPES["tiny"], max_position_embeddings=4096)
     return random_checkpoint(str(tmp_path_factory.mktemp("tiny_served")), shape)

@@ -287,7 +287,7 @@ def test_stalled_clients_are_cut_off_connections_are_bounded_and_a_shutdown_tell
 
 @pytest.mark.slow
 def test_a_short_hostile_soak(tiny_model):
-    from minfer.bench.hostile import hostile_soak
+    from minfer.lab.bench.hostile import hostile_soak
 
     result = hostile_soak(tiny_model, seconds=5, seed=1)
     assert result["ordinary_answers"] > 0 and result["hostile_actions"] > 0, result

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from minfer import LLM, SamplingParams
-from minfer.bench.soak import plateau, soak_engine
+from minfer.lab.bench.soak import plateau, soak_engine
 from minfer.serving.async_engine import AsyncEngine
 from minfer.serving.metrics import ServerMetrics
 

@@ -308,7 +308,7 @@ def test_bad_speculative_arguments(tiny_small_vocab_dir, tiny_checkpoint):
 
 
 def test_expected_speedup_formula():
-    from minfer.bench.spec import expected_speedup
+    from minfer.lab.bench.spec import expected_speedup
 
     # k = 4, alpha = 0.8: 1 + 0.8 + 0.64 + 0.512 + 0.4096 tokens per pass, for 1 + 4 * 0.05 target steps
     assert expected_tokens_per_pass(0.8, 4) == pytest.approx(3.3616)

@@ -20,7 +20,7 @@ from minfer import LLM, SamplingParams
 from minfer.config import ModelConfig
 from minfer.layers.parallel_linear import shard_model_config
 from minfer.models.loader import load_model
-from minfer.testing import random_checkpoint, tiny_hf_checkpoint
+from minfer.lab.testing import random_checkpoint, tiny_hf_checkpoint
 
 ENGINE = dict(device="cpu", dtype="float32", num_gpu_blocks_override=48, block_size=8, max_num_seqs=6,
               max_num_batched_tokens=64)

@@ -11,7 +11,7 @@ from minfer.engine import tp_worker
 from minfer.engine.parallel import free_port
 from minfer.engine.tp_worker import WORKER_METHODS, Call, Channel, PoolSpec, StepInputs, Worker
 from minfer.layers.parallel_linear import CommStats
-from minfer.testing import tiny_llama
+from minfer.lab.testing import tiny_llama
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ Which experts a token needs: a linear router, fitted by least squares on the cal
 predicts from the MLP's input the size (L2 norm) of each expert's output; the k largest
 predictions run. Nothing is trained by gradient descent, and the model never learned to be
 sparse: quality falls as k / E falls (docs/benchmarks.md measures how fast). Trained MoEs
-learn routing and experts together (`minfer.moe.tiny`).
+learn routing and experts together (`minfer.lab.tiny_moe`).
 
 Calibration text: `minfer.texts.calibration_token_ids`, pydoc topics outside the evaluation set.
 """

@@ -10,8 +10,9 @@
     fp8_linear.py  Fp8Linear: e4m3 weights per output channel, fp8 matmuls (W8A8) or widened (W8A16)
     checkpoint.py  saved quantized checkpoints: write once, `LLM(folder)` loads them as stored
     gguf_q4_1.py   GGUF's Q4_1 blocks read from a file: the same group-wise int4 idea
-    qat.py         quantization-aware fine-tuning: train the float weights against their int4 rounding
-                   (course code: the engine never imports it)
+
+Quantization-aware fine-tuning (train the float weights against their int4 rounding) is course code:
+``minfer/lab/qat.py``.
 
 The formats themselves (int8 per channel, int4 in groups, int8 KV entries) live in
 ``minfer/formats/``; the matmul kernels with the other kernels, in ``minfer/kernels/quant_matmul.py``;

@@ -46,8 +46,8 @@ refines the step for all of them and costs error only on the clipped few; per ro
 r with the smallest error in that group's share of the output is kept. Unlike scaling, this
 does change the float model, slightly, in favour of the int4 grid.
 
-What it buys on SmolLM2-135M (bfloat16, `minfer.evaluate`): perplexity +29.5 % -> +10.1 % at
-int4 g64; on the channel-scrambled copy (`minfer.bench.quant`) +38.8 % -> +8.8 % at g64 and
+What it buys on SmolLM2-135M (bfloat16, `minfer.lab.evaluate`): perplexity +29.5 % -> +10.1 % at
+int4 g64; on the channel-scrambled copy (`minfer.lab.bench.quant`) +38.8 % -> +8.8 % at g64 and
 +23.5 % -> +6.0 % at g32. Tried and not kept, for no consistent gain: judging qkv_proj and
 gate_up_proj by their block's output (attention, MLP) as AWQ does, AWQ's "duo" scales
 (mean|x|^alpha / mean|w|^(1 - alpha)), a finer alpha grid, all calibration tokens for the error.

@@ -13,8 +13,9 @@ of a single target pass.
     pruned_draft.py the shipped draft's shape (target layers, pruned; a top-K head), saved and loaded by name
     eagle_head.py  an EAGLE head: one decoder layer reading the target's features, saved and loaded by name
     eagle.py       the EAGLE proposer: the target's features per sequence, the head's cache, chained guesses
-    distill.py     how that draft was trained: distillation loss, teacher top-k, training loop (chapter 08;
-                   course code, never imported by the engine)
+
+How the draft was trained (distillation loss, teacher top-k, the training loop; chapter 08) is course code:
+`minfer/lab/distill.py`.
 
     LLM("smollm2-135m", speculative_model="[ngram]", num_speculative_tokens=4)
     LLM("smollm2-135m", speculative_model="smollm2-135m-eagle", num_speculative_tokens=4)

@@ -9,7 +9,7 @@ layers, the norm and the K head rows (`save_draft`, `load_draft`). "smollm2-135m
 is the same shape built from the target with no training (`init_draft_from_target`).
 
 How the shipped weights were trained (the loss, the teacher's top-k, the training loop) is
-`minfer.speculative.distill`, course code that builds on this module; the engine never imports it.
+`minfer.lab.distill`, course code that builds on this module; the engine never imports it.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ checks the page itself:
 - every widget view renders: controls present (sliders where the cell builds sliders), no
   "Error displaying widget" or "Loading widget..." anywhere in the notebook; in a live kernel,
   moving a slider one step makes the kernel redraw the widget's output, and pressing a glass engine's
-  "step" button (minfer.glass) moves its view on;
+  "step" button (minfer.lab.glass) moves its view on;
 - every plot shows: each cell with a saved image, and each widget cell that plots, displays a
   decoded <img>; no cell that ran shows a traceback.
 
@@ -56,7 +56,7 @@ from playwright.sync_api import sync_playwright
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # minfer from this checkout, as the notebooks use it
-from minfer.bench.notebook_cells import calls, code_cells, needed_cells, python_source, recorded_seconds  # noqa: E402
+from minfer.lab.bench.notebook_cells import calls, code_cells, needed_cells, python_source, recorded_seconds  # noqa: E402
 
 CHROMIUM_ARGS = [  # the closed network refuses Chromium's background connections: don't make them
     "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
@@ -88,7 +88,7 @@ class NotebookPlan:
     needed_cells: list[int] = field(default_factory=list)  # the widget cells and the cells they need, in order
     needed_seconds: float | None = None  # how long those took when the notebook was last executed
     run_cells: list[int] = field(default_factory=list)  # needed_cells within the budget, else none
-    glass_cells: list[int] = field(default_factory=list)  # cells that show a GlassEngine (minfer.glass)
+    glass_cells: list[int] = field(default_factory=list)  # cells that show a GlassEngine (minfer.lab.glass)
     live_cells: list[int] = field(default_factory=list)  # the widget cells that run_cells bring to life
 
     def describe(self) -> str:

@@ -8,7 +8,7 @@ from types import ModuleType
 
 import pytest
 
-from minfer.course import load_impl
+from minfer.lab.course import load_impl
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ DEVICE = "cuda" if ON_CUDA else "cpu"
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention.bias import causal_lower_right  # noqa: E402  (it imports triton)
 
-from minfer.course import REPO_ROOT, run_tests  # noqa: E402
+from minfer.lab.course import REPO_ROOT, run_tests  # noqa: E402
 from minfer.engine.block_manager import BlockManager  # noqa: E402
 from minfer.kernels.paged_cache import slots_for_positions, write_kv_reference  # noqa: E402
 from minfer.kernels.paged_decode_attention import paged_decode_attention_reference  # noqa: E402
@@ -329,7 +329,7 @@ def test_paged_attention_triton_at_a_real_size_and_its_speed(impl, gen, in_a_ker
     out = in_a_kernel(impl.paged_attention_triton, *args)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     if ON_CUDA:
-        from minfer.bench.common import best_time
+        from minfer.lab.bench.common import best_time
 
         yours = best_time(lambda: impl.paged_attention_triton(*args), repeats=10, device=DEVICE)
         reference = best_time(lambda: paged_decode_attention_reference(*args), repeats=10, device=DEVICE)

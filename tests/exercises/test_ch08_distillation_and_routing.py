@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from minfer import router
+from minfer.lab import router
 from minfer.speculative import distill
 
 

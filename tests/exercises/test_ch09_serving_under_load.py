@@ -62,8 +62,8 @@ def test_goodput_never_exceeds_throughput_and_grows_with_the_slo(impl):
 
 
 def test_goodput_equals_the_load_generators(impl):
-    from minfer.bench.latency import request_goodput, time_per_output_token
-    from minfer.bench.loadgen import RequestResult
+    from minfer.lab.bench.latency import request_goodput, time_per_output_token
+    from minfer.lab.bench.loadgen import RequestResult
 
     rng = np.random.default_rng(2)
     results = []
@@ -103,7 +103,7 @@ def test_arrivals_are_the_cumulative_gamma_gaps(impl):
 
 
 def test_arrivals_are_the_load_generators(impl):
-    from minfer.bench.loadgen import arrival_times
+    from minfer.lab.bench.loadgen import arrival_times
 
     for rate, burstiness, seed in [(1.5, 1.0, 0), (8.0, 0.5, 3), (0.2, 2.0, 11)]:
         assert impl.poisson_arrival_times(rate, 30, seed, burstiness) == \

@@ -1,13 +1,13 @@
 """Chapter 10: routing against the engine's route_topk and by hand, dispatch/combine and the layer against
 the engine's reference MoE, the distinct-experts formula against simulation, the load-balancing loss by
-hand and against minfer.moe.tiny's, its gradient."""
+hand and against minfer.lab.tiny_moe's, its gradient."""
 import math
 
 import pytest
 import torch
 
 from minfer.layers.moe import moe_mlp, route_topk
-from minfer.moe.tiny import load_balancing_loss
+from minfer.lab.tiny_moe import load_balancing_loss
 
 
 def _logits(tokens=20, experts=8, seed=0):

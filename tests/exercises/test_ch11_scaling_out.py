@@ -11,7 +11,7 @@ from minfer.config import ModelConfig
 from minfer.layers import parallel_linear
 from minfer.layers.parallel_linear import shard_model_config, split_columns, split_rows
 from minfer.models.llama import LlamaModel
-from minfer.testing import MODEL_SHAPES
+from minfer.lab.testing import MODEL_SHAPES
 
 SMOLLM2 = MODEL_SHAPES["smollm2-135m"]
 

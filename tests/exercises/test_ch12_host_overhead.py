@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from minfer.bench.host import OpCounter
+from minfer.lab.bench.host import OpCounter
 from minfer.layers.sampler import draw, filter_logits
 
 

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from minfer.bench.launch import free_port, launched_server, minfer_server_command, server_metrics
+from minfer.lab.bench.launch import free_port, launched_server, minfer_server_command, server_metrics
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "The three primary colors are"]
 DEGENERATE = [{"top_p": 1e-300}, {"min_p": 1.0, "temperature": 5.0}, {"top_k": 1, "top_p": 5e-324},

@@ -23,7 +23,7 @@ from minfer.outputs import RequestMetrics
 from minfer.quant.linear import quantize_model
 from minfer.sampling_params import SamplingParams
 from minfer.sequence import Request, Sequence
-from minfer.testing import MODEL_SHAPES, word_tokenizer
+from minfer.lab.testing import MODEL_SHAPES, word_tokenizer
 
 
 def random_model(shape: str, dtype: torch.dtype, device: Union[str, torch.device], seed: int = 0) -> LlamaModel:

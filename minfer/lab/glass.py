@@ -1,6 +1,6 @@
 """The glass engine: step a real engine in a notebook and watch its memory and its scheduler.
 
-    from minfer.glass import GlassEngine
+    from minfer.lab.glass import GlassEngine
     GlassEngine(llm)          # in a notebook cell: buttons, the KV pool, the queues, the last step, the prefix tree
 
 Nothing here is simulated. `picture(engine)` reads the engine's own state (the block manager's

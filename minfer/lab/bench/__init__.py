@@ -35,7 +35,7 @@ and the notebooks (a notebook's measurement and the published one share the same
     hostile.py     the hostile soak: ordinary clients beside hostile ones, through the HTTP server
     notebook_cells.py  which cells of a notebook a given cell needs (the names each defines and reads)
 
-The rule: the library never imports minfer.bench. Harnesses use the library, never the reverse;
+The rule: the library never imports minfer.lab.bench. Harnesses use the library, never the reverse;
 only the command line (`minfer/__main__.py`) reaches in, for `python -m minfer bench`. No harness
 derives a path from its own location: the docs page to update is passed in.
 """

@@ -18,7 +18,7 @@ import time
 import re
 from dataclasses import dataclass
 
-from minfer.router import SIGNALS, greedy_answers
+from minfer.lab.router import SIGNALS, greedy_answers
 
 MATCH_KINDS = ("number", "word", "word_exact_case")
 
@@ -109,7 +109,7 @@ def answer_tasks(model, tokenizer, tasks: list[Task], max_tokens: int = 16, batc
     """Answer each task greedily with `model` (stopping at end of turn) and grade it.
 
     One row per task: kind, the answer text, whether it is right, the confidence signals of
-    `minfer.router.SIGNALS` and the generated token count. At batch_size 1 each row also has the
+    `minfer.lab.router.SIGNALS` and the generated token count. At batch_size 1 each row also has the
     seconds its answer took (what `RouterStudy.timed_cost` adds up); a batch's time belongs to no
     single task, so batched rows have seconds None. The answers are the same either way."""
     if batch_size < 1:

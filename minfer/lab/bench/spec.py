@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from minfer.bench.common import synchronize
+from minfer.lab.bench.common import synchronize
 from minfer.kv_cache import KVCache
 from minfer.models.llama import LlamaModel
 from minfer.sampling_params import SamplingParams

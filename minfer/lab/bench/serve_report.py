@@ -9,8 +9,8 @@ import shlex
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from minfer.bench.common import publish_report, write_docs_section
-from minfer.bench.latency import LATENCY_METRICS, MIN_SWEEP_PROMPTS
+from minfer.lab.bench.common import publish_report, write_docs_section
+from minfer.lab.bench.latency import LATENCY_METRICS, MIN_SWEEP_PROMPTS
 
 DOCS_START = "<!-- bench_serve:start -->"
 DOCS_END = "<!-- bench_serve:end -->"
@@ -193,7 +193,7 @@ INTRO = ("An OpenAI-compatible server measured over HTTP as users meet it: reque
          "times, stream their tokens, and what counts is TTFT and TPOT percentiles at a given load, and the load a "
          "server sustains within an SLO. The load generator works against any such server (minfer's, llama.cpp's, "
          "vLLM's) and writes vLLM's field names; `--launch` starts the servers itself, one after another on this "
-         "machine. How it is measured: `minfer/bench/serve.py`. Regenerate with `python benchmarks/bench_serve.py` "
+         "machine. How it is measured: `minfer/lab/bench/serve.py`. Regenerate with `python benchmarks/bench_serve.py` "
          "(its docstring has the full command).")
 
 

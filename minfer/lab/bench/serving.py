@@ -16,7 +16,7 @@ Three questions, each measured side by side in one process on the same model:
    shuffled order: prefill tokens computed, hit rate, median TTFT, each on a warmed engine (the
    process's first, cold request is reported apart).
 
-Timing conventions (the same as `minfer.bench.generate`): TTFT counts from the moment a request is
+Timing conventions (the same as `minfer.lab.bench.generate`): TTFT counts from the moment a request is
 handed to the engine (for a batch run, all requests are handed over at once, so TTFT includes
 queueing); TPOT is (last token time - first token time) / (tokens - 1) of each request.
 """
@@ -36,7 +36,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from minfer.bench.common import (StepClock, hf_checkpoint_for, load_transformers, machine_info, synchronize,
+from minfer.lab.bench.common import (StepClock, hf_checkpoint_for, load_transformers, machine_info, synchronize,
                                  write_docs_section)
 
 DOCS_START = "<!-- bench_serving:start -->"
@@ -253,7 +253,7 @@ def run_transformers(hf_model, tokenizer, workload: Sequence[Request], batch_siz
     """transformers' `generate` on static batches: left-padded prompts, each batch runs as long as its longest output.
 
     Only the tokens each request asked for count as output (the rest of a short request's row is waste).
-    TTFT and TPOT come from the time each generate step's logits were ready (`minfer.bench.common.StepClock`),
+    TTFT and TPOT come from the time each generate step's logits were ready (`minfer.lab.bench.common.StepClock`),
     TTFT counted from the start of the run, as for minfer's batch runs."""
     from transformers import LogitsProcessorList
 

@@ -3,7 +3,7 @@
 - expected_distinct_experts: E (1 - (1 - k/E)^B), the experts a batch of B tokens touches on average
   when each token picks k of E uniformly and independently;
 - distinct_experts_per_step: what a carved model's decode steps really touch, per layer, at batch B;
-- decode_tokens_per_s: decode speed at batch B (one thread's CPU time, as minfer.bench.spec counts it);
+- decode_tokens_per_s: decode speed at batch B (one thread's CPU time, as minfer.lab.bench.spec counts it);
 - simulate_routing: a toy router (skewed logits, top-k, capacity) for the chapter's widget.
 """
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 import torch
 
-from minfer.evaluate import EVAL_PROMPTS
+from minfer.lab.evaluate import EVAL_PROMPTS
 from minfer.layers.moe import distinct_experts, route_topk, tokens_per_expert
 from minfer.moe.carve import CarvedMoE
-from minfer.moe.tiny import capacity_mask, expert_capacity
+from minfer.lab.tiny_moe import capacity_mask, expert_capacity
 from minfer.sampling_params import SamplingParams
 
 

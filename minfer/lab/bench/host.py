@@ -66,7 +66,7 @@ SAMPLING = {"greedy": [SamplingParams(temperature=0.0)],
 def tiny_llm(folder: str, max_num_seqs: int, device: str = "cpu") -> LLM:
     """SmolLM2's tokenizer on a 2-layer, 64-wide Llama with a 512-token vocabulary (random weights)."""
     from minfer.models.loader import load_tokenizer
-    from minfer.testing import tiny_hf_checkpoint
+    from minfer.lab.testing import tiny_hf_checkpoint
 
     tokenizer = load_tokenizer("smollm2-135m")
     tiny_hf_checkpoint(folder, tokenizer, vocab_size=VOCAB, max_position_embeddings=1024)

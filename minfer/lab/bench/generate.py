@@ -41,9 +41,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from minfer.bench.common import (StepClock, best_time, dtype_name, hf_checkpoint_for, load_transformers,
+from minfer.lab.bench.common import (StepClock, best_time, dtype_name, hf_checkpoint_for, load_transformers,
                                  machine_info, synchronize, write_docs_section)
-from minfer.testing import MODEL_SHAPES, random_checkpoint
+from minfer.lab.testing import MODEL_SHAPES, random_checkpoint
 
 TokenIds = list[int]
 DOCS_START = "<!-- bench_generate:start -->"
@@ -479,7 +479,7 @@ def update_docs(markdown: str, path: Union[str, Path]) -> None:
     """Replace the generate-benchmark section of the docs page at `path` (between its markers), or add it."""
     intro = ("Decode speed of minfer against transformers' `generate` and against the bare matrix multiplications "
              "of a decode step (the matmul floor), same weights, same prompts, one process. How each number is "
-             "timed: `minfer/bench/generate.py` (the course notebooks use the same helpers). Regenerate with "
+             "timed: `minfer/lab/bench/generate.py` (the course notebooks use the same helpers). Regenerate with "
              "`python benchmarks/bench_generate.py --update-docs` on a quiet machine.")
     write_docs_section(markdown, path, DOCS_START, DOCS_END, "## minfer vs transformers `generate`", intro)
 

@@ -22,7 +22,7 @@ from typing import Iterator, Optional, Sequence, Union
 
 import httpx
 
-from minfer.bench.loadgen import check_loopback
+from minfer.lab.bench.loadgen import check_loopback
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""

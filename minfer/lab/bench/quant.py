@@ -3,11 +3,11 @@
 For every configuration (none, int8 and fp8 KV caches, int8 weights, int4 in groups of 128/64/32, the same
 int4 with activation-aware scales ("awq", `minfer.quant.awq`), and combinations) one process
 measures, on the same machine and dtype:
-  - perplexity on the fixed evaluation set and its change against "none" (`minfer.evaluate`),
-  - greedy agreement with the unquantized model (teacher-forced, `minfer.evaluate`),
+  - perplexity on the fixed evaluation set and its change against "none" (`minfer.lab.evaluate`),
+  - greedy agreement with the unquantized model (teacher-forced, `minfer.lab.evaluate`),
   - bytes of the decoder layers' linear weights (scales and zero points included) and the
     ratio to bfloat16, and KV-cache bytes per token,
-  - decode tokens/s at batch 1 and at a larger batch (`minfer.bench.generate.time_minfer`).
+  - decode tokens/s at batch 1 and at a larger batch (`minfer.lab.bench.generate.time_minfer`).
 
 The honest int4 rows. SmolLM2-135M ships as GGUF Q4_1: its weights already sit on a 4-bit grid,
 in blocks of 32 along each row. int4 with groups of 32 aligned to those blocks can land on the
@@ -29,12 +29,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from minfer.bench.common import machine_info
-from minfer.bench.generate import best_of, make_prompts, time_minfer
-from minfer.evaluate import EVAL_PROMPTS, eval_set_info, greedy_agreement, greedy_reference, perplexity
+from minfer.lab.bench.common import machine_info
+from minfer.lab.bench.generate import best_of, make_prompts, time_minfer
+from minfer.lab.evaluate import EVAL_PROMPTS, eval_set_info, greedy_agreement, greedy_reference, perplexity
 from minfer.llm import LLM
 from minfer.quant import linear_weight_bytes
-from minfer.quant.qat import default_checkpoint_dir
+from minfer.lab.qat import default_checkpoint_dir
 
 DOCS_START = "<!-- bench_quant:start -->"
 DOCS_END = "<!-- bench_quant:end -->"
@@ -54,7 +54,7 @@ CONFIGS = {
     "gptq g64": {"quantization": "gptq", "quantization_group_size": 64},
     "nf4 b64": {"quantization": "nf4", "quantization_group_size": 64},  # QLoRA's NormalFloat, absmax per 64
     "fp8 weights": {"quantization": "fp8"},  # e4m3 per output channel: `minfer.quant.fp8_linear`
-    # plain int4 g64 of weights fine-tuned with fake quantization (`minfer.quant.qat`): the checkpoint
+    # plain int4 g64 of weights fine-tuned with fake quantization (`minfer.lab.qat`): the checkpoint
     # benchmarks/train_qat.py writes, of smollm2-135m only
     "qat g64": {"model": str(default_checkpoint_dir())},
     "int8 weights + int8 KV": {"quantization": "int8", "kv_cache_dtype": "int8"},

@@ -1,7 +1,7 @@
 """The soak benchmark: thousands of mixed requests through the engine, memory sampled as they go.
 
     python -m minfer bench soak --requests 5000 --sample-every 250       # one configuration
-    python -m minfer bench soak --server --hostile --seconds 90          # hostile clients: minfer/bench/hostile.py
+    python -m minfer bench soak --server --hostile --seconds 90          # hostile clients: minfer/lab/bench/hostile.py
     python benchmarks/bench_soak.py                                       # the variants side by side, docs
 
 A server runs for days. Whatever grows a little per request (a cache with no bound, a tensor
@@ -33,8 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-from minfer.bench.hostile import format_hostile, hostile_soak
-from minfer.bench.launch import server_metrics  # tests/test_server.py reads it from here too
+from minfer.lab.bench.hostile import format_hostile, hostile_soak
+from minfer.lab.bench.launch import server_metrics  # tests/test_server.py reads it from here too
 from minfer.llm import LLM
 from minfer.sampling_params import SamplingParams
 
@@ -162,7 +162,7 @@ def soak_engine(llm: LLM, num_requests: int, sample_every: int = 250, in_flight:
     samples.append(final)
     tracemalloc.stop()
     expected_refusals = counts["invalid"]
-    from minfer.bench.common import machine_info
+    from minfer.lab.bench.common import machine_info
 
     return {
         "machine": machine_info(), "num_requests": sent, "counts": counts, "samples": [asdict(s) for s in samples],
@@ -275,7 +275,7 @@ def soak_server(model: str, num_requests: int, sample_every: int = 250, concurre
     import openai
     from tqdm.auto import tqdm
 
-    from minfer.bench.launch import free_port, launched_server, minfer_server_command
+    from minfer.lab.bench.launch import free_port, launched_server, minfer_server_command
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

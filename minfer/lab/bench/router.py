@@ -6,7 +6,7 @@ studied against the full model on a graded task set.
   how well each confidence signal separates (AUC), the threshold sweep as cost against accuracy, the
   operating point (the cheapest threshold at the full model's accuracy) and its measured seconds.
 * `study_router` measures c and picks the signal; `cheapest_study` picks the candidate.
-The routing itself (signals, thresholds, costs) is `minfer.router`.
+The routing itself (signals, thresholds, costs) is `minfer.lab.router`.
 """
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from minfer.bench.spec import cost_ratio
+from minfer.lab.bench.spec import cost_ratio
 from minfer.models.llama import LlamaModel
 from minfer.quant.linear import quantize_model
-from minfer.router import (SIGNALS, RoutingResult, cheapest_threshold, evaluate_routing, route, separation_auc,
+from minfer.lab.router import (SIGNALS, RoutingResult, cheapest_threshold, evaluate_routing, route, separation_auc,
                            threshold_sweep)
 from minfer.speculative.pruned_draft import init_draft_from_target, load_draft
 from minfer.texts import calibration_token_ids
@@ -49,7 +49,7 @@ def build_cheap_model(name: str, target: LlamaModel, tokenizer) -> LlamaModel:
 
 @dataclass
 class RouterStudy:
-    """One cheap model against the full model on a graded task set (rows of `minfer.router_tasks.answer_tasks`)."""
+    """One cheap model against the full model on a graded task set (rows of `minfer.lab.router_tasks.answer_tasks`)."""
     name: str
     cost_ratio: float  # c: one cheap decode step / one full decode step
     cheap_rows: list[dict]

@@ -2,7 +2,7 @@
 
 In a notebook:
 
-    from minfer.course import load_impl, check
+    from minfer.lab.course import load_impl, check
     impl = load_impl("ch01")          # exercises/ch01_model.py, or solutions/ with MINFER_IMPL=solutions
     ...
     check("ch01")                     # runs tests/exercises/test_ch01_*.py against the same choice
@@ -26,7 +26,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Optional
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 IMPLS = ("exercises", "solutions")
 
 

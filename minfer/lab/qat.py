@@ -38,11 +38,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minfer.evaluate import context_windows
+from minfer.lab.evaluate import context_windows
 from minfer.layers.linear import bf16_autocast, linear_like
 from minfer.models.llama import DecoderLayer
 from minfer.quant.awq import fake_quantize_int4
-from minfer.speculative.distill import distillation_loss, final_hidden, run_training
+from minfer.lab.distill import distillation_loss, final_hidden, run_training
 from minfer.texts import EVAL_TOPICS, eval_text
 
 QAT_GROUP_SIZE = 64
@@ -171,8 +171,8 @@ def train_qat(model: nn.Module, teacher: nn.Module, params: list[nn.Parameter], 
 @torch.no_grad()
 def model_perplexity(model: nn.Module, token_ids: list[int], window: int = 512, stride: int = 256,
                      bf16: bool = False) -> float:
-    """Perplexity of a bare model (no engine) on token_ids, scored window by window as `minfer.evaluate`
-    does (its context_windows): for watching a training run. Reported numbers use `minfer.evaluate.perplexity`."""
+    """Perplexity of a bare model (no engine) on token_ids, scored window by window as `minfer.lab.evaluate`
+    does (its context_windows): for watching a training run. Reported numbers use `minfer.lab.evaluate.perplexity`."""
     total, count = 0.0, 0
     for start, end, first in context_windows(len(token_ids), window, stride):
         ids = torch.tensor([token_ids[start:end]], device=model.embed_tokens.weight.device)

@@ -15,8 +15,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from minfer.bench.common import best_time
-from minfer.bench.generate import measure_memory_bandwidth
+from minfer.lab.bench.common import best_time
+from minfer.lab.bench.generate import measure_memory_bandwidth
 
 BASELINES = ("gather", "sdpa")
 

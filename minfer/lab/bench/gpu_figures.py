@@ -10,7 +10,7 @@ Every chapter's GPU cell is one call, `gpu_cell(chapter, title, measure, folder)
 
 `benchmarks/gpu_check.sh` runs the notebooks on a GPU with `MINFER_GPU_FIGURES` pointing at its
 output folder, so the JSON files land there and are then copied to docs/gpu/. As everywhere in
-minfer.bench, the folder is passed in (a notebook passes "../docs/gpu"), never derived from here.
+minfer.lab.bench, the folder is passed in (a notebook passes "../docs/gpu"), never derived from here.
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def load_figures(chapter: str, folder: Union[str, Path]) -> Optional[dict]:
     figures = json.loads(path.read_text())
     missing = [key for key in REQUIRED_KEYS if key not in figures]
     if missing:
-        raise ValueError(f"{path} lacks {missing}: write it with minfer.bench.gpu_figures.save_figures")
+        raise ValueError(f"{path} lacks {missing}: write it with minfer.lab.bench.gpu_figures.save_figures")
     return figures
 
 

@@ -6,10 +6,10 @@
 
 The command line and the order of work; the pieces live beside it:
 
-* `minfer.bench.loadgen`: arrivals, the workload, one streamed request, one run;
-* `minfer.bench.latency`: TPOT, the summary with vLLM's field names, goodput, the knee, the sustainable rate;
-* `minfer.bench.launch`: servers started here (`--launch`), one after another on free local ports;
-* `minfer.bench.serve_report`: the table, the ratios against the targets, the plot, the JSON.
+* `minfer.lab.bench.loadgen`: arrivals, the workload, one streamed request, one run;
+* `minfer.lab.bench.latency`: TPOT, the summary with vLLM's field names, goodput, the knee, the sustainable rate;
+* `minfer.lab.bench.launch`: servers started here (`--launch`), one after another on free local ports;
+* `minfer.lab.bench.serve_report`: the table, the ratios against the targets, the plot, the JSON.
 
 A sweep runs the rates in increasing order and stops after the first rate clearly past the knee.
 Every request goes to a loopback address; every run is bounded in requests (`--num-prompts`) and in
@@ -29,12 +29,12 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
-from minfer.bench.common import machine_info
-from minfer.bench.latency import (DEFAULT_TTFT_SLO_MS, MIN_SWEEP_PROMPTS, SLO_METRICS, find_knee, parse_goodput,
+from minfer.lab.bench.common import machine_info
+from minfer.lab.bench.latency import (DEFAULT_TTFT_SLO_MS, MIN_SWEEP_PROMPTS, SLO_METRICS, find_knee, parse_goodput,
                                   past_knee, prompts_for_rate, summarize_results, sustainable_rate)
-from minfer.bench.launch import free_port, launched_server, llama_cpp_server_command, minfer_server_command, served_models
-from minfer.bench.loadgen import RequestSpec, check_loopback, check_rate, run_load, sample_requests
-from minfer.bench.serve_report import num_text, ratios, report
+from minfer.lab.bench.launch import free_port, launched_server, llama_cpp_server_command, minfer_server_command, served_models
+from minfer.lab.bench.loadgen import RequestSpec, check_loopback, check_rate, run_load, sample_requests
+from minfer.lab.bench.serve_report import num_text, ratios, report
 from minfer.models.loader import load_tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"

@@ -11,7 +11,7 @@ model's own confidence in its answer, so every request first runs the cheap mode
 escalated one pays the full model on top: c + (1 - s) (`routing_cost(..., include_classifier=True)`).
 Routing then saves only when s > c.
 
-Quality is correctness: each request of the labelled set (`minfer.router_tasks`) has a checker,
+Quality is correctness: each request of the labelled set (`minfer.lab.router_tasks`) has a checker,
 and a routed answer is right when the answer actually served passes it. A cheap answer worded
 differently from the full model's is not penalised, and a cheap answer that is right where the
 full model is wrong counts as right.
@@ -23,7 +23,7 @@ Confidence signals (`SIGNALS`), all in [0, 1], read off the cheap model's greedy
 Below a threshold, or when the signal is unusable (no answer, NaN), the request escalates.
 `separation_auc` measures how well a signal separates right cheap answers from wrong ones.
 Measuring cheap candidates against the full model (c, sweeps, the operating point) is a harness:
-`minfer.bench.router`.
+`minfer.lab.bench.router`.
 """
 from __future__ import annotations
 

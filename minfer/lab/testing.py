@@ -29,7 +29,7 @@ MODEL_SHAPES = {
     "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                                 num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
                                 max_position_embeddings=8192, tie_word_embeddings=True),
-    # two models of real size, for speed on a GPU (minfer.bench.real_size): a decode step reads GBs of weights
+    # two models of real size, for speed on a GPU (minfer.lab.bench.real_size): a decode step reads GBs of weights
     "llama-3.2-1b": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
                                 num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0, rms_norm_eps=1e-5,
                                 max_position_embeddings=131072, tie_word_embeddings=True),

@@ -1,9 +1,9 @@
 """The load generator's client side: when requests arrive, what they ask for, and how each is timed.
 
-`python -m minfer bench serve` (`minfer.bench.serve`) measures any OpenAI-compatible server (minfer's,
+`python -m minfer bench serve` (`minfer.lab.bench.serve`) measures any OpenAI-compatible server (minfer's,
 llama.cpp's, vLLM's) over HTTP, the way users meet it: requests arrive one by one at random times, each
 streams its tokens back, and what counts is the latency each user sees at a given load. This file sends
-the requests; `minfer.bench.latency` turns what they measured into vLLM's summary fields.
+the requests; `minfer.lab.bench.latency` turns what they measured into vLLM's summary fields.
 
 * Arrivals (`arrival_times`): gaps between requests drawn from a gamma distribution of shape
   `burstiness` and mean 1 / request_rate, as vLLM draws them; burstiness 1 is a Poisson process,
@@ -35,7 +35,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from minfer.bench.serving import make_workload
+from minfer.lab.bench.serving import make_workload
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
