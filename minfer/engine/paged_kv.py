@@ -46,21 +46,21 @@ class KVPool:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, kv_cache_dtype: str = "auto") -> None:
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
-        self.quantized = self.kv_cache_dtype == "int8"  # int8: a scale per (token, KV head)
-        self.fp8 = self.kv_cache_dtype == "fp8"  # fp8: a scale per (layer, KV head)
+        self.int8 = self.kv_cache_dtype == "int8"  # a scale per (token, KV head)
+        self.fp8 = self.kv_cache_dtype == "fp8"  # a scale per (layer, KV head)
         if self.fp8:
             check_fp8_supported(device)
         self.dtype = dtype  # the model's: what reads return
         self.block_size, self.num_blocks = block_size, num_blocks
         shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim)  # heads-first
-        pool_dtype = torch.int8 if self.quantized else FP8_DTYPE if self.fp8 else dtype
+        pool_dtype = torch.int8 if self.int8 else FP8_DTYPE if self.fp8 else dtype
         self.k = torch.zeros(shape, dtype=pool_dtype, device=device)
         self.v = torch.zeros_like(self.k)
         # int8: one float32 scale per (layer, block, offset, KV head); fp8: one per (layer, KV head),
         # 1 (vLLM's default) until `calibrate_fp8` sets them from measured ranges
-        scale_shape = ((config.num_layers, num_blocks, block_size, config.num_kv_heads) if self.quantized
+        scale_shape = ((config.num_layers, num_blocks, block_size, config.num_kv_heads) if self.int8
                        else (config.num_layers, config.num_kv_heads))
-        scaled = self.quantized or self.fp8
+        scaled = self.int8 or self.fp8
         self.k_scale = torch.ones(scale_shape, dtype=torch.float32, device=device) if scaled else None
         self.v_scale = torch.ones_like(self.k_scale) if scaled else None
         self._workspace = torch.empty(0, dtype=self.k.dtype, device=device)  # reused by `gather`
@@ -68,7 +68,7 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         """The pools' bytes, per-token scales included (fp8's per-head scales are a few bytes, not counted)."""
-        scales = self.k_scale.nbytes + self.v_scale.nbytes if self.quantized else 0
+        scales = self.k_scale.nbytes + self.v_scale.nbytes if self.int8 else 0
         return self.k.nbytes + self.v.nbytes + scales
 
     def calibrate_fp8(self, k_amax: torch.Tensor, v_amax: torch.Tensor) -> None:
@@ -91,7 +91,7 @@ class KVPool:
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Write k, v [tokens, kv_heads, head_dim] at their slots (quantizing them for an int8 or fp8 pool)."""
         for pool, scales, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            if self.quantized:
+            if self.int8:
                 new, scale = quantize_kv(new)  # int8 [tokens, kv_heads, head_dim], float32 [tokens, kv_heads]
                 scales[layer].view(-1, new.shape[1])[slots] = scale
             elif self.fp8:
@@ -116,7 +116,7 @@ class KVPool:
         if first_block is not None:
             blocks = slice(first_block, first_block + tables.shape[1])
             keys, values = self.k[layer][:, blocks].flatten(1, 2)[None], self.v[layer][:, blocks].flatten(1, 2)[None]
-            if self.quantized:
+            if self.int8:
                 k_scales, v_scales = (s[blocks].flatten(0, 1).T[None] for s in (k_scales, v_scales))
             return self._read(keys, k_scales), self._read(values, v_scales)
         k_pool, v_pool = self.layer(layer)
@@ -127,7 +127,7 @@ class KVPool:
             self._workspace = torch.empty(2 * numel, dtype=self.k.dtype, device=self.k.device)
         keys = gather_blocks(k_pool, tables, out=self._workspace[:numel].view(shape))
         values = gather_blocks(v_pool, tables, out=self._workspace[numel:2 * numel].view(shape))
-        if self.quantized:
+        if self.int8:
             k_scales, v_scales = gather_blocks(k_scales, tables), gather_blocks(v_scales, tables)
         return self._read(keys, k_scales), self._read(values, v_scales)
 
