@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from minfer.lab import router
-from minfer.speculative import distill
+from minfer.lab import distill
 
 
 def test_distillation_loss_matches_minfer_and_a_hand_computed_kl(impl):
