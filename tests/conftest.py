@@ -67,6 +67,21 @@ def random_tiny_dir(tmp_path_factory) -> str:
     return random_checkpoint(str(tmp_path_factory.mktemp("random_tiny")), "tiny", seed=1)
 
 
+TINY_KINDS = {"default": "tiny_dir", "4k": "tiny_4k_dir", "small_vocab": "tiny_small_vocab_dir",
+              "random": "random_tiny_dir"}
+
+
+@pytest.fixture(scope="session")
+def make_tiny_llm(request):
+    """make_tiny_llm(kind="default", **engine_args) -> a new float32 CPU `LLM` over one of the tiny models above
+    (TINY_KINDS names the fixture of each kind). The model folder is built when a test first asks for its kind;
+    the factory is session-scoped so that module-scoped fixtures can use it too."""
+    def make(kind: str = "default", **engine_args) -> LLM:
+        return LLM(request.getfixturevalue(TINY_KINDS[kind]), dtype="float32", device="cpu", **engine_args)
+
+    return make
+
+
 @pytest.fixture(scope="session")
 def hf_reference_dir(tmp_path_factory) -> str:
     """The dequantized SmolLM2 weights saved as a plain Hugging Face checkpoint, for transformers."""

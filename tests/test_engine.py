@@ -5,12 +5,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minfer import LLM, SamplingParams
+from minfer import SamplingParams
 
 
-def tiny_llm(tiny_4k_dir, **kwargs) -> LLM:
-    kwargs.setdefault("max_model_len", 256)
-    return LLM(tiny_4k_dir, dtype="float32", device="cpu", **kwargs)
+@pytest.fixture
+def tiny_llm(make_tiny_llm):
+    """tiny_llm(**engine_args) -> a new LLM over the 4096-position tiny model, max_model_len 256 unless given."""
+    return lambda **engine_args: make_tiny_llm("4k", **{"max_model_len": 256, **engine_args})
 
 
 def workload(n: int, max_prompt: int, max_out: int, seed: int = 0):
@@ -26,19 +27,19 @@ def ids(outputs):
 
 
 @pytest.mark.slow
-def test_continuous_batching_with_preemption_equals_solo(tiny_4k_dir):
+def test_continuous_batching_with_preemption_equals_solo(tiny_llm):
     """48 requests, prompts 1-600 tokens, outputs 1-300, a pool that forces preemption.
 
     The reference is the same 48 requests in a pool where nothing is preempted, and a sample of them
     run alone (all 48 alone took 7,000 steps, most of this test's time; batched equals solo is
     test_generation's subject)."""
     prompts, params = workload(48, 600, 300)
-    roomy = tiny_llm(tiny_4k_dir, max_model_len=1024, num_gpu_blocks_override=2048)
+    roomy = tiny_llm(max_model_len=1024, num_gpu_blocks_override=2048)
     unpreempted = ids(roomy.generate(prompts, params, use_tqdm=False))
     assert roomy.engine.scheduler.num_preemptions == 0
     for i in range(0, 48, 6):
         assert roomy.generate(prompts[i], params[i], use_tqdm=False)[0].outputs[0].token_ids == unpreempted[i]
-    tight = tiny_llm(tiny_4k_dir, max_model_len=1024, num_gpu_blocks_override=80, block_size=16,
+    tight = tiny_llm(max_model_len=1024, num_gpu_blocks_override=80, block_size=16,
                      max_num_batched_tokens=256, max_num_seqs=16)
     batched = tight.generate(prompts, params, use_tqdm=False)
     assert tight.engine.scheduler.num_preemptions > 0  # the pool really was too small
@@ -47,9 +48,9 @@ def test_continuous_batching_with_preemption_equals_solo(tiny_4k_dir):
     assert tight.engine.blocks.num_free_blocks == 80  # every block came back
 
 
-def test_static_batch_with_a_prompt_at_the_end_of_the_window(tiny_dir):
+def test_static_batch_with_a_prompt_at_the_end_of_the_window(make_tiny_llm):
     # a finished row kept stepping its position: past the RoPE table once a full-window prompt shared the batch
-    llm = LLM(tiny_dir, dtype="float32", device="cpu")
+    llm = make_tiny_llm()
     window = llm.max_model_len
     assert window == llm.config.max_position_embeddings  # the default, where the table ends with the window
     prompts = [{"prompt_token_ids": [3 + i % 500 for i in range(window - 1)]}, {"prompt_token_ids": [5, 6, 7]}]
@@ -71,20 +72,20 @@ def test_real_model_continuous_equals_static_and_solo(llm):
     assert ids(continuous) == ids(static) == ids(solo)
 
 
-def test_chunked_prefill_splits_long_prompts(tiny_4k_dir):
+def test_chunked_prefill_splits_long_prompts(tiny_llm):
     prompts, params = workload(6, 200, 20, seed=1)
-    whole = tiny_llm(tiny_4k_dir, max_num_batched_tokens=4096, enable_chunked_prefill=False, max_model_len=4096)
-    chunked = tiny_llm(tiny_4k_dir, max_num_batched_tokens=32)
+    whole = tiny_llm(max_num_batched_tokens=4096, enable_chunked_prefill=False, max_model_len=4096)
+    chunked = tiny_llm(max_num_batched_tokens=32)
     assert ids(chunked.generate(prompts, params, use_tqdm=False)) == ids(whole.generate(prompts, params, use_tqdm=False))
     assert chunked.engine.stats.steps > whole.engine.stats.steps
 
 
-def test_prefix_cache_skips_shared_prompt_blocks(tiny_4k_dir):
+def test_prefix_cache_skips_shared_prompt_blocks(tiny_llm):
     system = [1000 + i for i in range(128)]
     prompts = [{"prompt_token_ids": system + [2000 + i, 3000 + i]} for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=4)
-    cached = tiny_llm(tiny_4k_dir, enable_prefix_caching=True)
-    uncached = tiny_llm(tiny_4k_dir, enable_prefix_caching=False)
+    cached = tiny_llm(enable_prefix_caching=True)
+    uncached = tiny_llm(enable_prefix_caching=False)
     first = cached.generate(prompts[:1], params, use_tqdm=False)  # warms the cache
     rest_cached = cached.generate(prompts[1:], params, use_tqdm=False)
     rest_plain = uncached.generate(prompts[1:], params, use_tqdm=False)
@@ -95,8 +96,8 @@ def test_prefix_cache_skips_shared_prompt_blocks(tiny_4k_dir):
     assert cached.engine.stats.computed_tokens < uncached.engine.stats.computed_tokens / 3
 
 
-def test_abort_frees_blocks_and_others_finish(tiny_4k_dir):
-    llm = tiny_llm(tiny_4k_dir, num_gpu_blocks_override=64)
+def test_abort_frees_blocks_and_others_finish(tiny_llm):
+    llm = tiny_llm(num_gpu_blocks_override=64)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     ids_ = [llm.add_request({"prompt_token_ids": [500 + i] * 40}, params) for i in range(3)]
     llm.step()
@@ -108,27 +109,27 @@ def test_abort_frees_blocks_and_others_finish(tiny_4k_dir):
     assert llm.engine.blocks.num_free_blocks == 64
 
 
-def test_request_too_big_for_the_pool_is_rejected(tiny_4k_dir):
-    small = tiny_llm(tiny_4k_dir, num_gpu_blocks_override=4, block_size=4)
+def test_request_too_big_for_the_pool_is_rejected(tiny_llm):
+    small = tiny_llm(num_gpu_blocks_override=4, block_size=4)
     with pytest.raises(ValueError, match="more than the whole pool"):
         small.generate({"prompt_token_ids": [7] * 10}, SamplingParams(max_tokens=20), use_tqdm=False)
     ok = small.generate({"prompt_token_ids": [7] * 5}, SamplingParams(max_tokens=3), use_tqdm=False)
     assert len(ok[0].outputs[0].token_ids) == 3 and small.engine.blocks.num_free_blocks == 4
 
 
-def test_bad_engine_arguments(tiny_4k_dir):
+def test_bad_engine_arguments(tiny_llm):
     with pytest.raises(ValueError, match="block_size must be an integer >= 1"):
-        tiny_llm(tiny_4k_dir, block_size=0)
+        tiny_llm(block_size=0)
     with pytest.raises(ValueError, match="without chunked prefill, max_num_batched_tokens"):
-        tiny_llm(tiny_4k_dir, enable_chunked_prefill=False, max_num_batched_tokens=16)
+        tiny_llm(enable_chunked_prefill=False, max_num_batched_tokens=16)
     with pytest.raises(ValueError, match="batching must be 'continuous' or 'static'"):
-        tiny_llm(tiny_4k_dir).generate("hi", batching="dynamic")
+        tiny_llm().generate("hi", batching="dynamic")
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_random_arrivals_and_aborts_keep_the_pool_consistent(tiny_4k_dir, data):
-    llm = tiny_llm(tiny_4k_dir, num_gpu_blocks_override=data.draw(st.integers(12, 40)),
+def test_random_arrivals_and_aborts_keep_the_pool_consistent(tiny_llm, data):
+    llm = tiny_llm(num_gpu_blocks_override=data.draw(st.integers(12, 40)),
                    block_size=data.draw(st.sampled_from([2, 4, 8])),
                    max_num_batched_tokens=data.draw(st.sampled_from([8, 32, 128])),
                    max_num_seqs=data.draw(st.integers(1, 6)), enable_prefix_caching=data.draw(st.booleans()))
@@ -160,17 +161,17 @@ def test_random_arrivals_and_aborts_keep_the_pool_consistent(tiny_4k_dir, data):
     assert all(s.finished for r in live for s in r.seqs)
 
 
-def test_pool_sized_from_a_memory_budget(tiny_4k_dir):
-    llm = tiny_llm(tiny_4k_dir, kv_cache_memory_bytes=10 * 2**20, block_size=8)
+def test_pool_sized_from_a_memory_budget(tiny_llm):
+    llm = tiny_llm(kv_cache_memory_bytes=10 * 2**20, block_size=8)
     per_block = 8 * 2 * 2 * 2 * 16 * 4  # 8 tokens x K and V x 2 layers x 2 KV heads x head_dim 16 x float32
     assert llm.engine.blocks.num_blocks == 10 * 2**20 // per_block
     assert llm.engine.runner.pool.nbytes == llm.engine.blocks.num_blocks * per_block
     with pytest.raises(ValueError, match="smaller than one block"):
-        tiny_llm(tiny_4k_dir, kv_cache_memory_bytes=per_block - 1, block_size=8)
+        tiny_llm(kv_cache_memory_bytes=per_block - 1, block_size=8)
 
 
-def test_a_failing_request_does_not_take_the_others_down(tiny_4k_dir):
-    llm = tiny_llm(tiny_4k_dir, num_gpu_blocks_override=64)
+def test_a_failing_request_does_not_take_the_others_down(tiny_llm):
+    llm = tiny_llm(num_gpu_blocks_override=64)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     good = [llm.add_request({"prompt_token_ids": [300 + i] * 9}, params) for i in range(2)]
     bad = llm.add_request({"prompt_token_ids": [400] * 9}, params)
@@ -189,8 +190,8 @@ def test_a_failing_request_does_not_take_the_others_down(tiny_4k_dir):
     assert llm.engine.blocks.num_free_blocks == 64
 
 
-def test_aborting_unknown_or_finished_requests_is_harmless(tiny_4k_dir):
-    llm = tiny_llm(tiny_4k_dir, num_gpu_blocks_override=64)
+def test_aborting_unknown_or_finished_requests_is_harmless(tiny_llm):
+    llm = tiny_llm(num_gpu_blocks_override=64)
     done = llm.generate({"prompt_token_ids": [5] * 4}, SamplingParams(max_tokens=2), use_tqdm=False)[0]
     llm.abort_request(done.request_id)
     llm.abort_request("no-such-request")

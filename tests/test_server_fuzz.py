@@ -74,8 +74,8 @@ GENERATED: list = []  # how many examples got as far as generating (the last tes
 
 
 @pytest.fixture(scope="module")
-def tiny_llm(tiny_dir) -> LLM:
-    return LLM(tiny_dir, dtype="float32", device="cpu", num_gpu_blocks_override=128)
+def tiny_llm(make_tiny_llm) -> LLM:
+    return make_tiny_llm(num_gpu_blocks_override=128)
 
 
 @FUZZ

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from minfer import LLM, SamplingParams
+from minfer import SamplingParams
 from minfer.engine.engine import Engine
 from minfer.models.llama import LlamaModel
 from minfer.models.loader import load_model
@@ -23,8 +23,10 @@ from minfer.speculative.stats import alpha_from_mean_acceptance_length, expected
 VOCAB = 512  # the vocabulary of tiny_small_vocab_dir: small enough to keep the sampling test fast and enumerable
 
 
-def tiny_llm(tiny_small_vocab_dir, **kwargs) -> LLM:
-    return LLM(tiny_small_vocab_dir, dtype="float32", device="cpu", max_model_len=512, **kwargs)
+@pytest.fixture
+def tiny_llm(make_tiny_llm):
+    """tiny_llm(**engine_args) -> a new LLM over tiny_small_vocab_dir with its whole 512-token window."""
+    return lambda **engine_args: make_tiny_llm("small_vocab", max_model_len=512, **engine_args)
 
 
 def perturb(model, scale: float, noise: float, seed: int) -> None:
@@ -154,11 +156,11 @@ def exact_joint(model, prompt, top_k, length):
 
 
 @pytest.mark.slow
-def test_sampled_speculation_matches_the_target_distribution(tiny_small_vocab_dir):
+def test_sampled_speculation_matches_the_target_distribution(tiny_llm, tiny_small_vocab_dir):
     """Temperature 1, top-k 3, a draft that differs from the target: the empirical law of the
     first three output tokens (one from the prefill, two from a verification pass with 2 drafts)
     matches the target's exact enumerated law."""
-    llm = tiny_llm(tiny_small_vocab_dir, speculative_model=tiny_small_vocab_dir, num_speculative_tokens=2, max_num_seqs=256)
+    llm = tiny_llm(speculative_model=tiny_small_vocab_dir, num_speculative_tokens=2, max_num_seqs=256)
     perturb(llm.model, 60.0, 0.0, 0)
     perturb(llm.engine.proposer.model, 60.0, 0.1, 1)
     prompt = [17, 250, 3, 99, 401]
@@ -227,16 +229,16 @@ def test_concurrent_speculation_equals_solo_and_respects_stops(llm):
     assert len(together[0].token_ids) == 7 and together[2].token_ids[-1] == stop_token
 
 
-def test_tight_pool_with_preemption_equals_plain(tiny_small_vocab_dir):
+def test_tight_pool_with_preemption_equals_plain(tiny_llm):
     """Many sequences, small blocks, a pool too small: drafts get cut, sequences preempted, prefix
     blocks sealed mid-speculation; the output still equals plain greedy and only accepted tokens
     ever reach the prefix cache."""
-    llm = tiny_llm(tiny_small_vocab_dir)
+    llm = tiny_llm()
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))]} for _ in range(12)]
     params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 60), ignore_eos=True) for _ in prompts]
     plain, _ = run_engine(llm, prompts, params, num_blocks=400, block_size=4)
-    draft = tiny_llm(tiny_small_vocab_dir).model
+    draft = tiny_llm().model
     perturb(draft, 1.0, 0.05, 2)
     spec, engine = run_engine(llm, prompts, params, DraftModelProposer(draft, VOCAB), 4, num_blocks=40, block_size=4,
                               max_num_seqs=8, max_num_batched_tokens=32)
@@ -251,9 +253,9 @@ def test_tight_pool_with_preemption_equals_plain(tiny_small_vocab_dir):
 
 
 # ------------------------------------------------------------------ the API
-def test_llm_speculative_api_and_metrics(tiny_small_vocab_dir):
-    llm = tiny_llm(tiny_small_vocab_dir, speculative_model="[ngram]", num_speculative_tokens=3)
-    plain = tiny_llm(tiny_small_vocab_dir)
+def test_llm_speculative_api_and_metrics(tiny_llm):
+    llm = tiny_llm(speculative_model="[ngram]", num_speculative_tokens=3)
+    plain = tiny_llm()
     prompt = {"prompt_token_ids": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]}
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == \
@@ -265,7 +267,7 @@ def test_llm_speculative_api_and_metrics(tiny_small_vocab_dir):
     assert len(stats["acceptance_rate_per_position"]) == 3
     # vLLM's current form of the same request, with the lookup's n-gram sizes
     config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
-    by_config = tiny_llm(tiny_small_vocab_dir, speculative_config=config)
+    by_config = tiny_llm(speculative_config=config)
     proposer = by_config.engine.proposer
     assert isinstance(proposer, NgramProposer) and (proposer.max_n, proposer.min_n) == (3, 2)
     assert by_config.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == \
@@ -273,7 +275,7 @@ def test_llm_speculative_api_and_metrics(tiny_small_vocab_dir):
     assert by_config.engine.spec_stats.as_dict()["num_drafts"] > 0
 
 
-def test_bad_speculative_arguments(tiny_small_vocab_dir, tiny_checkpoint):
+def test_bad_speculative_arguments(tiny_llm, tiny_checkpoint):
     for kwargs, match in [(dict(speculative_model="[ngram]"), "go together"),
                           (dict(num_speculative_tokens=3), "go together"),
                           (dict(speculative_model="[ngram]", num_speculative_tokens=0), r"integer in \[1, 16\]"),
@@ -291,16 +293,16 @@ def test_bad_speculative_arguments(tiny_small_vocab_dir, tiny_checkpoint):
                           (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2},
                                 speculative_model="[ngram]"), "not both")]:
         with pytest.raises(ValueError, match=match):
-            tiny_llm(tiny_small_vocab_dir, **kwargs)
+            tiny_llm(**kwargs)
     with pytest.raises(ValueError, match="no-such-draft"):
-        tiny_llm(tiny_small_vocab_dir, speculative_model="no-such-draft", num_speculative_tokens=2)
+        tiny_llm(speculative_model="no-such-draft", num_speculative_tokens=2)
     other = tiny_checkpoint(tie=False, vocab_size=VOCAB + 64, max_position_embeddings=512)
     with pytest.raises(ValueError, match="vocabulary"):
-        tiny_llm(tiny_small_vocab_dir, speculative_model=other, num_speculative_tokens=2)
+        tiny_llm(speculative_model=other, num_speculative_tokens=2)
     short = tiny_checkpoint(tie=False, vocab_size=VOCAB, max_position_embeddings=64)
     with pytest.raises(ValueError, match="64 positions"):
-        tiny_llm(tiny_small_vocab_dir, speculative_model=short, num_speculative_tokens=2)
-    spec = tiny_llm(tiny_small_vocab_dir, speculative_model="[ngram]", num_speculative_tokens=2)
+        tiny_llm(speculative_model=short, num_speculative_tokens=2)
+    spec = tiny_llm(speculative_model="[ngram]", num_speculative_tokens=2)
     with pytest.raises(ValueError, match="logprobs"):
         spec.generate({"prompt_token_ids": [1, 2]}, SamplingParams(logprobs=1), use_tqdm=False)
     with pytest.raises(ValueError, match="serving engine"):
@@ -399,11 +401,11 @@ class KnownAlphaProposer(Proposer):
         return proposals
 
 
-def test_engine_measures_the_alpha_of_a_synthetic_draft(tiny_small_vocab_dir):
+def test_engine_measures_the_alpha_of_a_synthetic_draft(tiny_llm):
     """Through the engine (greedy, 64 sequences at once): the spec stats' alpha recovers the draft's
     known alpha within 0.02 (over about 5800 accept-or-reject trials its sampling error is about 0.0065)."""
     alpha, k = 0.6, 3
-    llm = tiny_llm(tiny_small_vocab_dir, max_num_seqs=64)
+    llm = tiny_llm(max_num_seqs=64)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(VOCAB) for _ in range(8)]} for _ in range(64)]
     params = [SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)] * len(prompts)
@@ -419,10 +421,10 @@ def test_engine_measures_the_alpha_of_a_synthetic_draft(tiny_small_vocab_dir):
     assert stats.draft_acceptance_rate == pytest.approx(alpha * (1 - alpha ** k) / ((1 - alpha) * k), abs=0.02)
 
 
-def test_seeded_sampling_with_speculation_is_reproducible(tiny_small_vocab_dir):
+def test_seeded_sampling_with_speculation_is_reproducible(tiny_llm, tiny_small_vocab_dir):
     """A seeded request draws drafts, acceptances and resamples from its own generator: the same
     tokens whatever shares the batch; its n completions differ from each other."""
-    llm = tiny_llm(tiny_small_vocab_dir, speculative_model=tiny_small_vocab_dir, num_speculative_tokens=3)
+    llm = tiny_llm(speculative_model=tiny_small_vocab_dir, num_speculative_tokens=3)
     perturb(llm.model, 20.0, 0.0, 0)
     perturb(llm.engine.proposer.model, 20.0, 0.1, 3)
     params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=30, seed=7, n=2, ignore_eos=True)
@@ -451,9 +453,9 @@ class ScalarReads(TorchDispatchMode):
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=20),
                                     SamplingParams(temperature=0.8, top_k=20, max_tokens=20, seed=3)],
                          ids=["greedy", "sampled"])
-def test_a_draft_pass_reads_no_token_into_python_until_it_ends(tiny_small_vocab_dir, params):
+def test_a_draft_pass_reads_no_token_into_python_until_it_ends(tiny_llm, params):
     """The draft's k forward passes chain on the device: its guesses reach the host once, after the pass."""
-    llm = tiny_llm(tiny_small_vocab_dir)
+    llm = tiny_llm()
     proposer = DraftModelProposer(llm.model, VOCAB)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     seq = Sequence(prompt, params, params.max_tokens, 3, RequestMetrics(0.0, num_prompt_tokens=len(prompt)))
