@@ -252,8 +252,22 @@ def test_metrics_count_tokens_and_latencies(server):
     assert server.metric("generation_tokens_total") == before + 5
     text = httpx.get(server.url + "/metrics").text
     for name in ("time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
-                 "e2e_request_latency_seconds_count", "prompt_tokens_total", "request_success_total"):
+                 "e2e_request_latency_seconds_count", "prompt_tokens_total", "request_success_total",
+                 "num_preemptions_total"):
         assert f"minfer:{name}" in text
+    assert "spec_decode" not in text  # speculative decoding is off
+
+
+def test_metrics_count_draft_tokens(tiny_model):
+    s = Server(tiny_model, "--served-model-name", "tiny", "--speculative-model", "[ngram]", "--num-speculative-tokens", "3")
+    try:
+        assert s.metric("spec_decode_num_draft_tokens_total") == 0
+        s.client().completions.create(model="tiny", prompt="a b a b a b a b", max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        drafts, accepted = s.metric("spec_decode_num_draft_tokens_total"), s.metric("spec_decode_num_accepted_tokens_total")
+        assert drafts > 0 and 0 <= accepted <= drafts and s.metric("spec_decode_num_drafts_total") > 0
+    finally:
+        assert s.stop() == 0
 
 
 # ---------------------------------------------------------------- limits and lifecycle (a tiny model)

@@ -20,6 +20,7 @@ Beside the step:
     kv_calibration.py   an fp8 KV pool's static scales: one pass over the calibration text, |k| and |v| recorded
     parallel.py         tensor parallelism: rank 0 runs the engine, workers run their shard of every layer
     tp_worker.py        ... the calls rank 0 sends them (a method name, dataclass arguments) and the worker's side
+    snapshot.py         the engine's state at one moment, frozen: what servers, notebooks and benchmarks read
 
 Speculative decoding, which the engine runs when asked, is its own package: `minfer/speculative/`.
 """

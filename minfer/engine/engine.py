@@ -35,6 +35,7 @@ from minfer.engine.block_manager import BlockManager
 from minfer.engine.kv_calibration import calibration_ids, kv_ranges
 from minfer.engine.model_runner import ModelRunner, StepOutput
 from minfer.engine.scheduler import Scheduler
+from minfer.engine.snapshot import EngineSnapshot, take_snapshot
 from minfer.engine.structured_output import StructuredOutputs
 from minfer.logprobs import logprobs_of
 from minfer.models.llama import LlamaModel
@@ -70,27 +71,6 @@ class EngineStats:
         """Experts a step touched (whose weights it read), averaged over steps and sparse layers."""
         layers = len(self.step_distinct_experts)
         return self.distinct_experts_sum / (self.moe_steps * layers) if self.moe_steps else 0.0
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """The engine's state at one moment, frozen: what another thread may read (a server's event loop)
-    while the engine thread goes on changing the live state."""
-
-    version: int  # grows with every snapshot: a later one replaces an earlier one, never the reverse
-    num_running: int  # sequences in the running batch
-    num_waiting: int  # sequences waiting for a place in it (preempted ones included)
-    num_requests: int  # requests the engine holds
-    has_unfinished: bool  # anything running or waiting: another step has work
-    num_free_blocks: int
-    num_blocks: int
-    prefix_hit_rate: float
-    steps: int
-
-    @property
-    def kv_cache_usage(self) -> float:
-        """Fraction of KV blocks in use (1 = full)."""
-        return 1 - self.num_free_blocks / self.num_blocks
 
 
 class Engine:
@@ -188,12 +168,11 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def snapshot(self) -> EngineSnapshot:
-        """The state now, frozen (call it on the thread that steps the engine)."""
+    def snapshot(self, detail: bool = False) -> EngineSnapshot:
+        """The state now, frozen (call it on the thread that steps the engine; see snapshot.py).
+        detail: also every sequence, block and the last step's batch (for views that draw them)."""
         self._snapshots += 1
-        return EngineSnapshot(self._snapshots, len(self.scheduler.running), len(self.scheduler.waiting),
-                              len(self.requests), self.scheduler.has_unfinished(), self.blocks.num_free_blocks, self.blocks.num_blocks,
-                              self.prefix_hit_rate, self.stats.steps)
+        return take_snapshot(self, self._snapshots, detail)
 
     # ---------------------------------------------------------------- one step
     def step(self) -> list[RequestOutput]:

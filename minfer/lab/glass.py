@@ -3,9 +3,9 @@
     from minfer.lab.glass import GlassEngine
     GlassEngine(llm)          # in a notebook cell: buttons, the KV pool, the queues, the last step, the prefix tree
 
-Nothing here is simulated. `picture(engine)` reads the engine's own state (the block manager's
-blocks and reference counts, the scheduler's queues, the last step's batch) into frozen views;
-`GlassEngine` draws them as HTML and drives `llm` with the same calls a server makes:
+Nothing here is simulated. Every view is drawn from `engine.snapshot(detail=True)`, the engine's own
+state frozen between steps (its blocks and reference counts, its queues, the last step's batch: see
+`minfer.engine.snapshot`); `GlassEngine` draws them as HTML and drives `llm` with the same calls a server makes:
 `add_request`, `step`, `abort_request`. Changing a knob (token budget, sequences per step, pool
 size, block size) gives `llm` a fresh engine with those settings over the same model.
 """
@@ -13,82 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import html
-from dataclasses import dataclass
 from typing import Optional
 
 from minfer.engine.engine import Engine
+from minfer.engine.snapshot import EngineSnapshot
 from minfer.llm import LLM
 from minfer.sampling_params import SamplingParams
 
 SHARED_PREFIX = ("You are a patient teacher. Answer in two short sentences, with one example, and end with a "
                  "question that checks the student understood. ")
-
-
-@dataclass(frozen=True)
-class BlockView:
-    block_id: int
-    state: str  # "used" (held by sequences), "cached" (free, but its tokens still there for a prefix hit), "free"
-    holders: tuple[str, ...]  # labels of the sequences whose block table holds it
-    ref_count: int
-
-
-@dataclass(frozen=True)
-class SeqView:
-    label: str  # "request/completion", e.g. "3/0"
-    state: str  # "waiting", "running" or "preempted" (waiting to be recomputed)
-    num_tokens: int
-    num_computed: int  # tokens whose K/V are in the pool
-    num_cached_prompt_tokens: int  # found in the prefix cache at admission
-    block_table: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Picture:
-    """The engine at one moment: what the views draw."""
-
-    blocks: tuple[BlockView, ...]
-    seqs: tuple[SeqView, ...]
-    last_step: tuple[tuple[str, int, str], ...]  # (sequence, tokens, "prefill" or "decode") of the last step
-    last_padding: int
-    token_budget: int
-    prefix_edges: tuple[tuple[Optional[int], int, int], ...]  # (parent hash, hash, block id) of every block with a hash
-    steps: int
-
-
-def label(seq) -> str:
-    return f"{seq.request_id}/{seq.index}"
-
-
-def picture(engine: Engine) -> Picture:
-    """Read the engine's state (call it between steps, on the thread that steps the engine)."""
-    blocks_manager, scheduler = engine.blocks, engine.scheduler
-    holders: dict[int, list[str]] = {}
-    seqs = []
-    for state, queue in (("running", scheduler.running), ("waiting", scheduler.waiting)):
-        for seq in queue:
-            if state == "waiting" and seq.num_preemptions:
-                state_here = "preempted"
-            else:
-                state_here = state
-            for block_id in seq.block_table:
-                holders.setdefault(block_id, []).append(label(seq))
-            seqs.append(SeqView(label(seq), state_here, seq.num_tokens, seq.num_computed, seq.num_cached_prompt_tokens,
-                                tuple(seq.block_table)))
-    blocks = []
-    for block in blocks_manager.blocks:
-        if block.ref_count > 0:
-            state = "used"
-        elif block.hash is not None and blocks_manager.cached.get(block.hash) == block.block_id:
-            state = "cached"
-        else:
-            state = "free"
-        blocks.append(BlockView(block.block_id, state, tuple(holders.get(block.block_id, ())), block.ref_count))
-    last = tuple((label(seq), count, "decode" if count == 1 and seq.num_computed >= len(seq.prompt_token_ids) else "prefill")
-                 for seq, count in engine.last_batch)
-    edges = tuple((b.parent_hash, b.hash, b.block_id) for b in blocks_manager.blocks
-                  if b.hash is not None and blocks_manager.cached.get(b.hash) == b.block_id)
-    return Picture(tuple(blocks), tuple(seqs), last, engine.last_padding, scheduler.max_num_batched_tokens, edges,
-                   engine.stats.steps)
 
 
 # ---------------------------------------------------------------- drawing (HTML)
@@ -99,15 +32,24 @@ def colour(name: str) -> str:
     return f"hsl({hue}, 65%, {55 + 8 * (int(index) % 4) if index.isdigit() else 55}%)"
 
 
-def pool_html(p: Picture) -> str:
-    cells = []
+def holders(p: EngineSnapshot) -> dict[int, list[str]]:
+    """Block id -> labels of the sequences whose block table holds it."""
+    held: dict[int, list[str]] = {}
+    for seq in p.sequences:
+        for block_id in seq.block_table:
+            held.setdefault(block_id, []).append(seq.label)
+    return held
+
+
+def pool_html(p: EngineSnapshot) -> str:
+    cells, held = [], holders(p)
     for b in p.blocks:
         if b.state == "used":
-            style = f"background:{colour(b.holders[0]) if b.holders else '#999'}"
+            style = f"background:{colour(held[b.block_id][0]) if b.block_id in held else '#999'}"
             style += ";outline:3px solid #222" if b.ref_count > 1 else ""
         else:
             style = "background:#ddd;border:1px dashed #888" if b.state == "cached" else "background:#fff;border:1px solid #ccc"
-        tip = f"block {b.block_id}: {b.state}" + (f", held by {', '.join(b.holders)}" if b.holders else "")
+        tip = f"block {b.block_id}: {b.state}" + (f", held by {', '.join(held[b.block_id])}" if b.block_id in held else "")
         text = str(b.ref_count) if b.ref_count > 1 else ""
         cells.append(f'<div title="{html.escape(tip)}" style="width:18px;height:18px;{style};font-size:10px;'
                      f'text-align:center;line-height:18px">{text}</div>')
@@ -117,18 +59,18 @@ def pool_html(p: Picture) -> str:
     return f'<div>{legend}</div><div style="display:flex;flex-wrap:wrap;gap:2px;max-width:760px">{"".join(cells)}</div>'
 
 
-def queues_html(p: Picture) -> str:
+def queues_html(p: EngineSnapshot) -> str:
     columns = []
     for state in ("waiting", "running", "preempted"):
         cards = [f'<div style="border-left:6px solid {colour(s.label)};padding:1px 4px;margin:2px 0">{s.label}: '
                  f'{s.num_computed}/{s.num_tokens} tokens in the pool, {len(s.block_table)} blocks'
                  + (f", {s.num_cached_prompt_tokens} from the prefix cache" if s.num_cached_prompt_tokens else "")
-                 + "</div>" for s in p.seqs if s.state == state]
+                 + "</div>" for s in p.sequences if s.state == state]
         columns.append(f'<div style="flex:1"><b>{state}</b> ({len(cards)}){"".join(cards) or "<div>-</div>"}</div>')
     return f'<div style="display:flex;gap:12px;max-width:760px">{"".join(columns)}</div>'
 
 
-def step_html(p: Picture) -> str:
+def step_html(p: EngineSnapshot) -> str:
     used = sum(count for _, count, _ in p.last_step)
     parts = [f'<div title="{name}: {count} {kind}" style="width:{max(2, 700 * count // max(p.token_budget, 1))}px;'
              f'height:16px;background:{colour(name)};{"" if kind == "prefill" else "border:1px solid #222;"}"></div>'
@@ -139,11 +81,12 @@ def step_html(p: Picture) -> str:
             f'<div style="display:flex;gap:1px;width:700px;background:#f4f4f4">{"".join(parts)}</div>')
 
 
-def prefix_html(p: Picture, hits: set[int]) -> str:
+def prefix_html(p: EngineSnapshot, hits: set[int]) -> str:
     children: dict[Optional[int], list[tuple[int, int]]] = {}
-    for parent, h, block_id in p.prefix_edges:
-        children.setdefault(parent, []).append((h, block_id))
-    known = {h for _, h, _ in p.prefix_edges}
+    findable = [b for b in p.blocks if b.prefix_hash is not None]
+    for b in findable:
+        children.setdefault(b.parent_hash, []).append((b.prefix_hash, b.block_id))
+    known = {b.prefix_hash for b in findable}
     roots = [r for r in children if r is None or r not in known]
 
     def node(h: int, block_id: int) -> str:
@@ -217,14 +160,15 @@ class GlassEngine:
         for _ in range(n):
             if not self.llm.has_unfinished_requests():
                 break
-            before = {s: s.num_cached_prompt_tokens for s in self.llm.engine.scheduler.waiting}
+            waiting = {s.label for s in self.llm.engine.snapshot(detail=True).sequences if s.state == "waiting"}
             for output in self.llm.step():
                 if output.finished:
                     self.finished[output.request_id] = output
-            admitted = [s for s in before if s in self.llm.engine.scheduler.running]
+            after = self.llm.engine.snapshot(detail=True)
+            admitted = [s for s in after.sequences if s.label in waiting and s.state == "running"]
             if admitted:  # the blocks the newest admission found in the prefix cache
                 s = admitted[-1]
-                self.hits = set(s.block_table[:s.num_cached_prompt_tokens // self.llm.engine.blocks.block_size])
+                self.hits = set(s.block_table[:s.num_cached_prompt_tokens // after.block_size])
         self.render()
 
     def abort(self, request_id: Optional[str] = None) -> None:
@@ -244,22 +188,22 @@ class GlassEngine:
 
     # ---------------------------------------------------------------- drawing
     def render(self) -> None:
-        p = picture(self.llm.engine)
+        p = self.llm.engine.snapshot(detail=True)
         self.views["step"].value = step_html(p)
         self.views["pool"].value = pool_html(p)
         self.views["queues"].value = queues_html(p)
         self.views["prefix"].value = prefix_html(p, self.hits)
-        self.views["timeline"].value = self._timeline_html()
-        self.abort_choice.options = sorted(self.llm.engine.requests)
+        self.views["timeline"].value = self._timeline_html(p)
+        self.abort_choice.options = sorted(p.request_ids)
 
-    def _timeline_html(self) -> str:
+    def _timeline_html(self, p: EngineSnapshot) -> str:
         """Every request seen: the live ones from the engine, the finished ones from their last output."""
-        live = {rid: r.seqs[0] for rid, r in self.llm.engine.requests.items()}
+        live = {s.request_id: s for s in p.sequences if s.index == 0}
         rows = []
         for request_id in sorted(set(live) | set(self.finished), key=int):
             done = self.finished.get(request_id)
             metrics = done.metrics if done is not None else live[request_id].metrics
-            tokens = len(done.outputs[0].token_ids) if done is not None else len(live[request_id].output_ids)
+            tokens = len(done.outputs[0].token_ids) if done is not None else live[request_id].num_output_tokens
             ttft = f"{1000 * metrics.ttft:.0f} ms" if metrics.ttft is not None else "-"
             tpot = f"{1000 * metrics.tpot:.0f} ms" if metrics.tpot else "-"
             state = done.outputs[0].finish_reason if done is not None else "in the engine"

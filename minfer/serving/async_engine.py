@@ -14,7 +14,7 @@ The engine is not thread-safe, and a step takes tens of milliseconds of CPU: run
 loop it would freeze every connection meanwhile. So all engine work (tokenizing and adding
 requests, steps, aborts) runs on one worker thread, in the order it was handed over; the event
 loop only hands work over and routes each step's outputs to the queues. The one thing that
-crosses back is a frozen snapshot of the engine's state (`minfer.engine.engine.EngineSnapshot`),
+crosses back is a frozen snapshot of the engine's state (`minfer.engine.snapshot.EngineSnapshot`),
 taken on the engine thread after each step, add and abort: the event loop never reads the
 scheduler's lists while the engine thread changes them.
 """
@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Optional, Protocol, Union
 
-from minfer.engine.engine import EngineSnapshot
+from minfer.engine.snapshot import EngineSnapshot
 from minfer.llm import LLM, PromptType
 from minfer.outputs import RequestOutput
 from minfer.sampling_params import SamplingParams

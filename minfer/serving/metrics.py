@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from minfer.outputs import RequestOutput
 
@@ -29,6 +30,26 @@ class _Seen:
     last_time: float = 0.0  # when the last new token was routed
 
 
+class EngineCounters:
+    """Counters the engine keeps itself, read from its latest snapshot when scraped (a Prometheus collector)."""
+
+    def __init__(self, async_engine, labels: dict[str, str]) -> None:
+        self.async_engine, self.labels = async_engine, labels
+
+    def collect(self):
+        snap = self.async_engine.snapshot
+        counts = [("num_preemptions", "Sequences preempted (their blocks freed, to be recomputed).", snap.num_preemptions)]
+        if snap.spec_decode is not None:
+            spec = snap.spec_decode
+            counts += [("spec_decode_num_drafts", "Verification passes that checked draft tokens.", spec.num_drafts),
+                       ("spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens),
+                       ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)]
+        for name, doc, value in counts:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=list(self.labels))
+            family.add_metric(list(self.labels.values()), value)
+            yield family
+
+
 class ServerMetrics:
     """The Prometheus metrics of one server, in a registry of their own (a test can run several servers)."""
 
@@ -46,9 +67,13 @@ class ServerMetrics:
               lambda: async_engine.snapshot.kv_cache_usage)
         gauge("gpu_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens admitted.",
               lambda: async_engine.snapshot.prefix_hit_rate)
+        self.registry.register(EngineCounters(async_engine, labels))
 
         def counter(name: str, doc: str, extra: tuple = ()) -> Counter:
-            return Counter(PREFIX + name, doc, [*labels, *extra], registry=self.registry)
+            made = Counter(PREFIX + name, doc, [*labels, *extra], registry=self.registry)
+            if not extra:
+                made.labels(**labels)  # shown as 0 from the start, not only after the first request
+            return made
 
         self._prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests that produced a first token.")
         self._generation_tokens = counter("generation_tokens", "Tokens generated.")

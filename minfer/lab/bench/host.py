@@ -100,8 +100,7 @@ def measure(llm: LLM, batch: int, steps: int, sampling: str = "mixed", repeats: 
         llm.add_request({"prompt_token_ids": ids}, kinds[i % len(kinds)])
     runs = []
     try:
-        while llm.engine.scheduler.waiting or any(s.num_computed < len(s.prompt_token_ids)
-                                                  for s in llm.engine.scheduler.running):
+        while any(s.state != "running" or s.in_prefill for s in llm.engine.snapshot(detail=True).sequences):
             llm.step()  # the prefills
         with OpCounter() as whole:
             llm.step()
@@ -121,7 +120,7 @@ def measure(llm: LLM, batch: int, steps: int, sampling: str = "mixed", repeats: 
             runs.append((host, statistics.median(step_times), statistics.median(forward_times)))
     finally:
         model.forward = forward
-        for request_id in list(llm.engine.requests):
+        for request_id in llm.engine.snapshot(detail=True).request_ids:
             llm.abort_request(request_id)
     host, step, fwd = min(runs)
     return HostRow(batch, sampling, step * 1e3, fwd * 1e3, host / batch * 1e6, whole.count, outside.count)

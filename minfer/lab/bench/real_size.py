@@ -53,10 +53,12 @@ def decode_tokens_per_s(engine: Engine, batch_size: int, prompt_len: int, max_to
         first_decode, decoded = None, 0
         while engine.has_unfinished_requests():
             engine.step()
-            if first_decode is None and all(s.output_ids for s in engine.scheduler.running):
-                _sync(engine)
-                first_decode = time.perf_counter()  # every prompt is in: from here on, decode steps only
-                decoded = sum(len(s.output_ids) for s in engine.scheduler.running)
+            if first_decode is None:
+                seqs = engine.snapshot(detail=True).sequences
+                if all(s.num_output_tokens for s in seqs):
+                    _sync(engine)
+                    first_decode = time.perf_counter()  # every prompt is in: from here on, decode steps only
+                    decoded = sum(s.num_output_tokens for s in seqs)
         _sync(engine)
     return (batch_size * max_tokens - decoded) / (time.perf_counter() - first_decode)
 

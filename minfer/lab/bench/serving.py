@@ -179,7 +179,7 @@ def fresh_engine(llm, max_num_seqs: Optional[int] = None, enable_prefix_caching:
     from minfer.engine.engine import Engine
 
     old = llm.engine.config
-    config = dataclasses.replace(old, num_gpu_blocks_override=llm.engine.blocks.num_blocks,
+    config = dataclasses.replace(old, num_gpu_blocks_override=llm.engine.snapshot().num_blocks,
                                  max_num_seqs=max_num_seqs or old.max_num_seqs,
                                  enable_prefix_caching=(old.enable_prefix_caching if enable_prefix_caching is None
                                                         else enable_prefix_caching))
@@ -220,11 +220,12 @@ def run_minfer(llm, workload: Sequence[Request], batching: str = "continuous", m
     bpt = llm.config.kv_bytes_per_token(llm.dtype, engine.config.kv_cache_dtype)
     extra: dict = {"max_num_seqs": max_num_seqs}
     if batching == "continuous":
-        per_block = engine.config.block_size * bpt
-        extra.update(kv_used_bytes=engine.stats.peak_blocks_used * per_block, kv_reserved_bytes=engine.runner.pool.nbytes,
+        counts = engine.snapshot()
+        per_block = counts.block_size * bpt
+        extra.update(kv_used_bytes=counts.peak_blocks_used * per_block, kv_reserved_bytes=engine.runner.pool.nbytes,
                      kv_note="peak blocks used x bytes per block / the pool",
-                     prefix_hit_rate=engine.prefix_hit_rate, computed_tokens=engine.stats.computed_tokens,
-                     steps=engine.stats.steps, preemptions=engine.scheduler.num_preemptions)
+                     prefix_hit_rate=counts.prefix_hit_rate, computed_tokens=counts.computed_tokens,
+                     steps=counts.steps, preemptions=counts.num_preemptions)
     else:  # the contiguous cache of the largest batch, and the tokens that batch really holds at its end
         batches = [workload[i:i + max_num_seqs] for i in range(0, len(workload), max_num_seqs)]
         reserved = [len(b) * (max(len(r.prompt_token_ids) for r in b) + max(r.max_tokens for r in b)) for b in batches]
@@ -332,12 +333,13 @@ def run_prefix_case(llm, prompts: list[list[int]], max_tokens: int, enable_prefi
     wall = time.perf_counter() - start
     prompt_tokens = sum(len(p) for p in prompts)
     decode_fed = sum(o.metrics.num_output_tokens - 1 for o in outputs)  # every output token but the last is fed back
-    prefill = engine.stats.computed_tokens - decode_fed
+    counts = engine.snapshot()
+    prefill = counts.computed_tokens - decode_fed
     ttfts = [o.metrics.ttft for o in outputs]
     return {"case": name, "prefix_caching": enable_prefix_caching, "requests": len(prompts),
-            "prompt_tokens": prompt_tokens, "prefill_tokens_computed": prefill, "hit_rate": engine.prefix_hit_rate,
+            "prompt_tokens": prompt_tokens, "prefill_tokens_computed": prefill, "hit_rate": counts.prefix_hit_rate,
             "ttft": latency_stats(ttfts), "ttfts": ttfts, "wall_s": wall, "load_1min_after": _load(),
-            "preemptions": engine.scheduler.num_preemptions}
+            "preemptions": counts.num_preemptions}
 
 
 def run_prefix_experiment(llm, num_requests: int = 32, system_tokens: int = 512, max_tokens: int = 16,
@@ -407,8 +409,9 @@ def run_serving_benchmark(model: str = "smollm2-135m", dtype: str = "bfloat16", 
     except ImportError:
         llama_note = "llama-cpp-python not installed: skipped"
     bpt = llm.config.kv_bytes_per_token(llm.dtype, llm.engine.config.kv_cache_dtype)
+    counts = llm.engine.snapshot()
     waste = kv_waste([len(r.prompt_token_ids) for r in workload], [r.max_tokens for r in workload], bpt,
-                     llm.engine.blocks.block_size, n_seqs, llm.max_model_len)
+                     counts.block_size, n_seqs, llm.max_model_len)
     prefix_result = None
     if prefix:
         log("[serving] prefix caching")
@@ -428,8 +431,7 @@ def run_serving_benchmark(model: str = "smollm2-135m", dtype: str = "bfloat16", 
                                                        / hf_row["output_tokens_per_s"])
     return {"benchmark": "serving", "model": model, "dtype": dtype, "preset": "quick" if quick else "full",
             "settings": {**settings, "seed": seed, "greedy": True, "ignore_eos": True,
-                         "block_size": llm.engine.blocks.block_size,
-                         "max_num_batched_tokens": llm.engine.scheduler.max_num_batched_tokens,
+                         "block_size": counts.block_size, "max_num_batched_tokens": counts.token_budget,
                          "max_model_len": llm.max_model_len,
                          "workload_prompt_tokens": sum(len(r.prompt_token_ids) for r in workload),
                          "workload_output_tokens": sum(r.max_tokens for r in workload)},

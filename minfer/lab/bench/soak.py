@@ -107,11 +107,10 @@ class SoakSample:
 
 
 def sample(llm: LLM, requests: int, started: float) -> SoakSample:
-    engine = llm.engine
-    held = {b for seq in engine.scheduler.running for b in seq.block_table}
+    snap = llm.engine.snapshot(detail=True)
+    held = {b for seq in snap.sequences if seq.state == "running" for b in seq.block_table}
     return SoakSample(requests, time.perf_counter() - started, rss_mib(), tracemalloc.get_traced_memory()[0] / 2**20,
-                      engine.blocks.num_blocks - engine.blocks.num_free_blocks, len(held),
-                      len(engine.scheduler.running), len(engine.scheduler.waiting), len(engine.requests))
+                      snap.num_used_blocks, len(held), snap.num_running, snap.num_waiting, snap.num_requests)
 
 
 def soak_engine(llm: LLM, num_requests: int, sample_every: int = 250, in_flight: int = 48, seed: int = 0,
@@ -158,7 +157,7 @@ def soak_engine(llm: LLM, num_requests: int, sample_every: int = 250, in_flight:
                 del steps_left[request_id]
                 counts["aborted"] += 1
     bar.close()
-    final = sample(llm, sent, started)
+    final, final_counts = sample(llm, sent, started), llm.engine.snapshot()
     samples.append(final)
     tracemalloc.stop()
     expected_refusals = counts["invalid"]
@@ -170,7 +169,7 @@ def soak_engine(llm: LLM, num_requests: int, sample_every: int = 250, in_flight:
         "leaked_blocks": final.blocks_in_use, "requests_left": final.engine_requests + final.running + final.waiting,
         "max_block_discrepancy": max(s.blocks_in_use - s.blocks_held for s in samples),
         "refusals_as_expected": counts["refused"] == expected_refusals,
-        "padding_fraction": llm.engine.stats.padding_tokens / max(1, llm.engine.stats.computed_tokens),
+        "padding_fraction": final_counts.padding_tokens / max(1, final_counts.computed_tokens),
         "plateau": plateau(samples),
     }
 
@@ -231,7 +230,8 @@ def bucket_ab(model: str, dtype: str, num_requests: int, rounds: int = 2, seed: 
         requests = [random_request(rng, words) for _ in range(num_requests)]
         for bucketed in (True, False):
             runs[bucketed].append(step_times(llms[bucketed], requests))
-    padding = llms[True].engine.stats.padding_tokens / llms[True].engine.stats.computed_tokens
+    counts = llms[True].engine.snapshot()
+    padding = counts.padding_tokens / counts.computed_tokens
     cpu = {b: sum(r["cpu_s"] for r in rs) for b, rs in runs.items()}
     return {"rounds": rounds, "requests_per_round": num_requests, "buckets": runs[True], "exact": runs[False],
             "cpu_ratio_exact_over_buckets": cpu[False] / cpu[True], "padding_fraction": padding}
