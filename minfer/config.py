@@ -237,7 +237,7 @@ class EngineConfig:
                              f"speculative_model='[ngram]', num_speculative_tokens=4) or neither, got {model!r} and {k!r}")
         if model is None:
             return
-        if not (isinstance(model, (str, os.PathLike, torch.nn.Module, NgramLookup)) or hasattr(model, "propose")):
+        if not (isinstance(model, (str, os.PathLike, torch.nn.Module, NgramLookup, EagleDraft)) or hasattr(model, "propose")):
             raise ValueError("speculative_model must be '[ngram]', a model name or path, a LlamaModel or a Proposer, "
                              f"got {type(model).__name__}")
         if not _is_positive_int(k) or k > MAX_SPECULATIVE_TOKENS:
@@ -313,6 +313,14 @@ class NgramLookup:
         check_prompt_lookup(self.prompt_lookup_max, self.prompt_lookup_min)
 
 
+@dataclass(frozen=True)
+class EagleDraft:
+    """speculative_config's method "eagle", as a speculative_model: `model` must be an EAGLE head, which
+    `minfer.speculative.make_proposer` checks (an ordinary draft model is refused, not run as one)."""
+
+    model: Any
+
+
 def speculative_args(spec: Any) -> dict[str, Any]:
     """vLLM's speculative_config dict as minfer's speculative_model and num_speculative_tokens:
     method "ngram" (prompt lookup, with its prompt_lookup_max/min) or a draft given as "model"."""
@@ -328,8 +336,10 @@ def speculative_args(spec: Any) -> dict[str, Any]:
     lookup = {k: spec[k] for k in ("prompt_lookup_max", "prompt_lookup_min") if k in spec}
     if method == "ngram" and model is None:
         proposer = NgramLookup(**lookup) if lookup else "[ngram]"
-    elif method in (None, "draft_model", "eagle") and model is not None and not lookup:
-        proposer = model  # an EAGLE head is told apart by its config (minfer.speculative.eagle_head.is_eagle)
+    elif method == "eagle" and model is not None and not lookup:
+        proposer = EagleDraft(model)
+    elif method in (None, "draft_model") and model is not None and not lookup:
+        proposer = model  # an EAGLE head given this way still runs as one (told apart by its config)
     else:
         raise ValueError("speculative_config needs method 'ngram' (prompt lookup; prompt_lookup_max/min allowed) or a "
                          f"draft as 'model' (method 'draft_model', 'eagle' or none), got {spec!r}")

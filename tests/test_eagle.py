@@ -63,6 +63,10 @@ def test_a_head_for_another_model_is_refused(tiny, llm, tmp_path):
         load_eagle(str(tmp_path / "nowhere"), tiny.model)
     with pytest.raises(ValueError, match="method 'draft_model', 'eagle' or none"):
         EngineConfig.from_kwargs("LLM()", speculative_config={"method": "eagle", "num_speculative_tokens": 3})
+    not_a_head = EngineConfig.from_kwargs("LLM()", speculative_config={
+        "method": "eagle", "model": "smollm2-135m-draft", "num_speculative_tokens": 3}).speculative_model
+    with pytest.raises(ValueError, match="method 'eagle' needs an EAGLE head.*got 'smollm2-135m-draft'.*'draft_model'"):
+        make_proposer(not_a_head, llm.model, llm.tokenizer, 512, torch.float32, torch.device("cpu"))
 
 
 def test_shipped_head_loads_and_is_small(llm):

@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from minfer.config import NgramLookup
+from minfer.config import EagleDraft, NgramLookup
 from minfer.models.llama import LlamaModel
 from minfer.models.loader import KNOWN_MODELS, load_model
 from minfer.speculative.draft_model import DraftModelProposer
@@ -49,13 +49,20 @@ def make_proposer(speculative_model, target: LlamaModel, tokenizer, max_model_le
     """A Proposer -> itself; '[ngram]' -> NgramProposer; a LlamaModel, a model name/path, or a shipped draft name
     (minfer.speculative.pruned_draft, e.g. 'smollm2-135m-draft') -> DraftModelProposer; an EagleHead, or an EAGLE head's
     name or folder ('smollm2-135m-eagle', minfer.speculative.eagle_head) -> EagleProposer; an NgramLookup (speculative_config's
-    n-gram sizes, `minfer.config`) -> NgramProposer with those sizes; None -> None."""
+    n-gram sizes, `minfer.config`) -> NgramProposer with those sizes; an EagleDraft (speculative_config's method
+    "eagle") -> EagleProposer, refused unless it names an EAGLE head; None -> None."""
     if speculative_model is None or isinstance(speculative_model, Proposer):
         return speculative_model
     if isinstance(speculative_model, NgramLookup):
         return NgramProposer(speculative_model.prompt_lookup_max, speculative_model.prompt_lookup_min)
     if speculative_model == "[ngram]":
         return NgramProposer()
+    if isinstance(speculative_model, EagleDraft):
+        speculative_model = speculative_model.model
+        if not (isinstance(speculative_model, EagleHead) or (isinstance(speculative_model, str) and is_eagle(speculative_model))):
+            raise ValueError(f"speculative_config method 'eagle' needs an EAGLE head (such as 'smollm2-135m-eagle', or a folder "
+                             f"saved by minfer.speculative.eagle_head.save_eagle), got {speculative_model!r}; a whole draft "
+                             "model takes method 'draft_model'")
     if isinstance(speculative_model, EagleHead) or (isinstance(speculative_model, str) and is_eagle(speculative_model)):
         head = speculative_model if isinstance(speculative_model, EagleHead) else load_eagle(speculative_model, target)
         _check_eagle(head, target)
