@@ -54,12 +54,14 @@ def run(llm: LLM, prompts: list[dict], max_tokens: int) -> dict:
     llm.add_requests(prompts, params)
     start = time.perf_counter()
     while llm.has_unfinished_requests():
-        rows = engine.stats.computed_tokens + engine.stats.padding_tokens
+        counts = engine.snapshot()
+        rows = counts.computed_tokens + counts.padding_tokens
         before = (stats.all_reduces, stats.all_reduce_bytes, stats.all_reduce_seconds, stats.broadcast_seconds,
                   stats.broadcast_bytes) if stats else None
         t = time.perf_counter()
         llm.step()
-        step = {"seconds": time.perf_counter() - t, "rows": engine.stats.computed_tokens + engine.stats.padding_tokens - rows}
+        seconds, counts = time.perf_counter() - t, engine.snapshot()
+        step = {"seconds": seconds, "rows": counts.computed_tokens + counts.padding_tokens - rows}
         if stats:
             step.update(all_reduces=stats.all_reduces - before[0], all_reduce_bytes=stats.all_reduce_bytes - before[1],
                         all_reduce_seconds=stats.all_reduce_seconds - before[2], broadcast_seconds=stats.broadcast_seconds - before[3],

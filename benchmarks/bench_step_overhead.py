@@ -108,9 +108,9 @@ def sampling_costs(llm: LLM, batch: int = 8, repeats: int = 20) -> tuple[float, 
     params = SamplingParams(max_tokens=33, temperature=0, ignore_eos=True)
     prompts = [f"Item {i}: the first thing to know about Python is" for i in range(batch)]
     llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)  # warm up
-    steps_before = llm.engine.stats.steps
+    steps_before = llm.engine.snapshot().steps
     seconds = best_time(lambda: llm.generate(prompts, params, use_tqdm=False), repeats=1)
-    return multinomial, inverse, seconds / (llm.engine.stats.steps - steps_before)
+    return multinomial, inverse, seconds / (llm.engine.snapshot().steps - steps_before)
 
 
 def report(overheads: list[float], text_rows, sampling, logprob_rows, batch: int, tokens: int) -> str:
