@@ -24,7 +24,7 @@ new k, v in their slots and runs attention over each sequence's whole context.
 On CPU, attention copies each sequence's blocks out of the pool into a reused buffer and calls
 the model's attention function (the same contract as the contiguous cache: mask None means causal
 with the queries last). Decoding sequences come sorted by context length and are served a few
-at a time (`decode_buckets`): one call per group of similar lengths pads less than one call for
+at a time (`decode_groups`): one call per group of similar lengths pads less than one call for
 all. On CUDA the Triton kernels of `minfer.kernels` read the pool through the block tables instead.
 """
 from __future__ import annotations
@@ -143,12 +143,12 @@ class SequenceSlice:
 
 
 @dataclass
-class DecodeBucket:
+class DecodeGroup:
     """Decoding sequences of similar context length, attended in one call."""
 
     start: int  # their queries' rows in the packed step: [start, end)
     end: int
-    tables: torch.Tensor  # int32 [seqs, widest table in the bucket]
+    tables: torch.Tensor  # int32 [seqs, widest table in the group]
     mask: Optional[torch.Tensor]  # bool [seqs, 1, 1, width * block_size]: True where a key is within the sequence
     first_block: Optional[int]  # one sequence whose blocks are consecutive from here (see KVPool.gather)
 
@@ -187,9 +187,9 @@ class PagedStep:
         else:  # the gather path: tables built once per step, not once per layer
             self.prefill_tables = [tables[i:i + 1, :len(s.block_table)].to(device) for i, s in enumerate(self.prefills)]
             self.prefill_runs = [first_of_run(s.block_table) for s in self.prefills]
-            self.decode_buckets, first = [], len(self.prefills)
+            self.decode_groups, first = [], len(self.prefills)
             for group in split_by_length(self.decodes):
-                self.decode_buckets.append(decode_bucket(group, tables[first:first + len(group)], pool.block_size,
+                self.decode_groups.append(decode_group(group, tables[first:first + len(group)], pool.block_size,
                                                          device, bucket_widths))
                 first += len(group)
 
@@ -215,10 +215,10 @@ class PagedStep:
             keys, values = self.pool.gather(layer, table, first_block)
             rows = slice(s.query_start, s.query_start + s.query_len)
             out[:, :, rows] = attention_fn(q[:, :, rows], keys[:, :, :s.context_len], values[:, :, :s.context_len], None)
-        for bucket in self.decode_buckets:
-            keys, values = self.pool.gather(layer, bucket.tables, bucket.first_block)
-            query = q[0, :, bucket.start:bucket.end].transpose(0, 1).unsqueeze(2)  # [seqs, heads, 1, dim]
-            out[0, :, bucket.start:bucket.end] = attention_fn(query, keys, values, bucket.mask).squeeze(2).transpose(0, 1)
+        for group in self.decode_groups:
+            keys, values = self.pool.gather(layer, group.tables, group.first_block)
+            query = q[0, :, group.start:group.end].transpose(0, 1).unsqueeze(2)  # [seqs, heads, 1, dim]
+            out[0, :, group.start:group.end] = attention_fn(query, keys, values, group.mask).squeeze(2).transpose(0, 1)
         return out
 
     def _attend_with_kernels(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -266,12 +266,12 @@ def block_tables(slices: list[SequenceSlice]) -> torch.Tensor:
     return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in slices], dtype=torch.int32)
 
 
-def split_by_length(decodes: list[SequenceSlice], min_per_bucket: int = 8, max_buckets: int = 4) -> list[list[SequenceSlice]]:
-    """Cut decodes (sorted by context length) into up to max_buckets groups of equal count, each
-    of at least min_per_bucket sequences: padding to the longest in a group wastes less than
+def split_by_length(decodes: list[SequenceSlice], min_per_group: int = 8, max_groups: int = 4) -> list[list[SequenceSlice]]:
+    """Cut decodes (sorted by context length) into up to max_groups groups of equal count, each
+    of at least min_per_group sequences: padding to the longest in a group wastes less than
     padding to the longest of all, and a few more calls cost little. Neighbouring groups whose
     longest tables are equally long stay one group: splitting them would save no padding."""
-    count = max(1, min(max_buckets, len(decodes) // min_per_bucket))
+    count = max(1, min(max_groups, len(decodes) // min_per_group))
     bounds = [round(i * len(decodes) / count) for i in range(count + 1)]
     groups: list[list[SequenceSlice]] = []
     for a, b in zip(bounds, bounds[1:]):
@@ -286,8 +286,8 @@ def widest_table(slices: list[SequenceSlice]) -> int:
     return max(len(s.block_table) for s in slices)
 
 
-def decode_bucket(decodes: list[SequenceSlice], tables: torch.Tensor, block_size: int, device: torch.device,
-                  bucket_width: bool = False) -> DecodeBucket:
+def decode_group(decodes: list[SequenceSlice], tables: torch.Tensor, block_size: int, device: torch.device,
+                  bucket_width: bool = False) -> DecodeGroup:
     """decodes: sequences of similar length; tables: their block tables, [len(decodes), at least the widest]."""
     tables = tables[:, :widest_table(decodes)]
     if bucket_width and len(decodes) > 1:  # (a lone sequence may be read in place: no padding there)
@@ -297,7 +297,7 @@ def decode_bucket(decodes: list[SequenceSlice], tables: torch.Tensor, block_size
     lens = torch.tensor([s.context_len for s in decodes], device=device)
     mask = (torch.arange(width, device=device)[None] < lens[:, None])[:, None, None, :]
     first_block = first_of_run(decodes[0].block_table) if len(decodes) == 1 else None
-    return DecodeBucket(decodes[0].query_start, decodes[-1].query_start + 1, tables, mask, first_block)
+    return DecodeGroup(decodes[0].query_start, decodes[-1].query_start + 1, tables, mask, first_block)
 
 
 def first_of_run(block_table: list[int]) -> Optional[int]:
