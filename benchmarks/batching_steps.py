@@ -19,7 +19,8 @@ from typing import Optional
 import torch
 
 from minfer import LLM
-from minfer.lab.bench.serving import make_workload, run_minfer
+from minfer.lab.bench.serving_engines import run_minfer
+from minfer.lab.bench.serving_workload import make_workload
 from minfer.models.loader import load_tokenizer
 from minfer.lab.testing import MODEL_SHAPES, random_checkpoint
 

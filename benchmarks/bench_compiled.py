@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 from minfer.lab.bench.common import machine_info, write_docs_section
-from minfer.lab.bench.generate import best_of, make_prompts, time_minfer
+from minfer.lab.bench.decode_speed import make_prompts, time_minfer
+from minfer.lab.bench.timing import best_of
 from minfer.llm import LLM
 from minfer.lab.testing import MODEL_SHAPES, random_checkpoint
 

@@ -3,8 +3,8 @@
     python benchmarks/bench_generate.py --quick                  # a short check (about a minute)
     python benchmarks/bench_generate.py --json results.json --update-docs   # the full run (a few minutes)
 
-The same code runs as `python -m minfer bench`; the timing helpers live in `minfer/lab/bench/generate.py`
-and are the ones the course notebooks use. See `--help` for the options.
+The same code runs as `python -m minfer bench` (`minfer/lab/bench/generate.py`); the timing helpers live in
+`minfer/lab/bench/decode_speed.py` and are the ones the course notebooks use. See `--help` for the options.
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from minfer.lab.bench.generate import measure_memory_bandwidth
+from minfer.lab.bench.decode_speed import measure_memory_bandwidth
 from minfer.lab.bench.kernels import kernel_bandwidth, quant_matmul_speed
 
 # (N, K) of weight matrices: SmolLM2-135M's qkv, gate_up and down projections, and Llama-3.1-8B's down projection

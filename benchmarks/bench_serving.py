@@ -5,8 +5,9 @@
 
 Also measures KV memory waste (contiguous vs paged) and prefix caching (shared system prompt with
 and without the cache, the shared part placed last, passages in a stable vs shuffled order).
-The logic lives in `minfer/lab/bench/serving.py` (the course notebooks call it too). `benchmarks/serving_notes.md`
-holds the written analysis (what falls short and why); to rebuild the docs from a saved run without rerunning:
+The logic lives in `minfer/lab/bench/serving.py` and the `serving_*.py` modules beside it (the course
+notebooks call them too). `benchmarks/serving_notes.md` holds the written analysis (what falls short and
+why); to rebuild the docs from a saved run without rerunning:
 
     python benchmarks/bench_serving.py --render serving.json --notes benchmarks/serving_notes.md --update-docs --plot docs/serving.png
 """
@@ -19,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from minfer.lab.bench import serving as sb
 from minfer.lab.bench.common import publish_report
+from minfer.lab.bench.serving import run_serving_benchmark
+from minfer.lab.bench.serving_report import format_markdown, plot, update_docs_section
 
 DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"  # this checkout's docs page
 
@@ -52,20 +54,20 @@ def main(argv=None) -> int:
     if args.render:
         result = json.loads(Path(args.render).read_text())
         return report(result, result["command"], args)
-    result = sb.run_serving_benchmark(model=args.model, dtype=args.dtype, quick=args.quick,
-                                      transformers=not args.no_transformers, prefix=not args.no_prefix,
-                                      progress=not args.no_progress, seed=args.seed, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                                      num_requests=args.num_requests,
-                                      subset=args.subset, max_num_seqs=args.max_num_seqs)
+    result = run_serving_benchmark(model=args.model, dtype=args.dtype, quick=args.quick,
+                                   transformers=not args.no_transformers, prefix=not args.no_prefix,
+                                   progress=not args.no_progress, seed=args.seed, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                                   num_requests=args.num_requests,
+                                   subset=args.subset, max_num_seqs=args.max_num_seqs)
     command = "python benchmarks/bench_serving.py " + " ".join(sys.argv[1:] if argv is None else argv)
     result["command"] = command
     return report(result, command, args)
 
 
 def report(result: dict, command: str, args: argparse.Namespace) -> int:
-    return publish_report(sb.format_markdown(result, command), args, lambda: json.dumps(result, indent=2),
-                          lambda markdown: sb.update_docs_section(markdown, args.update_docs, intro=INTRO),
-                          lambda path: sb.plot(result, path), "serving benchmark")
+    return publish_report(format_markdown(result, command), args, lambda: json.dumps(result, indent=2),
+                          lambda markdown: update_docs_section(markdown, args.update_docs, intro=INTRO),
+                          lambda path: plot(result, path), "serving benchmark")
 
 
 INTRO = ("Many requests at once, as a server sees them: minfer's continuous batching against its static batches, "

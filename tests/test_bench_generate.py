@@ -20,7 +20,7 @@ import torch
 from minfer import LLM, SamplingParams
 from minfer.__main__ import main
 from minfer.lab.bench import common
-from minfer.lab.bench import generate as bm
+from minfer.lab.bench import decode_speed, generate, generate_report, timing, transformers_timing
 from minfer.lab.testing import MODEL_SHAPES, random_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,14 +52,14 @@ def fake_clock(monkeypatch):
 
 def test_memory_bandwidth_counts_read_and_write_of_the_fastest_copy(fake_clock):
     fake_clock(0.0, 3.0, 10.0, 12.0)  # two copies: 3 s, then 2 s
-    assert bm.measure_memory_bandwidth(size_mb=1, repeats=2) == 2 * 2**20 / 2.0  # 1 MiB read + 1 MiB written in 2 s
+    assert decode_speed.measure_memory_bandwidth(size_mb=1, repeats=2) == 2 * 2**20 / 2.0  # 1 MiB read + 1 MiB written in 2 s
 
 
 def test_memory_bandwidth_agrees_with_a_numpy_copy():
     """The same measurement made independently (numpy, same size) lands within 3x."""
     import numpy as np
 
-    bw = bm.measure_memory_bandwidth(size_mb=16, repeats=5)
+    bw = decode_speed.measure_memory_bandwidth(size_mb=16, repeats=5)
     src = np.ones(16 * 2**20 // 4, dtype=np.float32)
     dst = np.empty_like(src)
     np.copyto(dst, src)
@@ -72,9 +72,9 @@ def test_memory_bandwidth_agrees_with_a_numpy_copy():
 
 
 def test_weight_bytes_counts_every_matrix_once(tiny_llm):
-    assert bm.weight_bytes(tiny_llm.model) == 4 * tiny_params()
+    assert decode_speed.weight_bytes(tiny_llm.model) == 4 * tiny_params()
     bf16 = LLM(tiny_llm.model_path, dtype="bfloat16", device="cpu")
-    assert bm.weight_bytes(bf16.model) * 2 == bm.weight_bytes(tiny_llm.model)
+    assert decode_speed.weight_bytes(bf16.model) * 2 == decode_speed.weight_bytes(tiny_llm.model)
 
 
 def test_weight_bytes_skips_an_untied_embedding(tmp_path):
@@ -84,11 +84,11 @@ def test_weight_bytes_skips_an_untied_embedding(tmp_path):
     model = LLM(untied, dtype="float32", device="cpu").model
     all_params = sum(p.numel() * p.element_size() for p in model.parameters())
     # the head is read in full each step, the embedding only one row per token
-    assert bm.weight_bytes(model) == all_params - model.embed_tokens.weight.nbytes
+    assert decode_speed.weight_bytes(model) == all_params - model.embed_tokens.weight.nbytes
 
 
 def test_decode_weights_are_the_linear_layers(tiny_llm):
-    weights = bm.decode_weights(tiny_llm.model)
+    weights = decode_speed.decode_weights(tiny_llm.model)
     assert len(weights) == 4 * TINY.num_layers + 1
     assert weights[-1].shape == (TINY.vocab_size, TINY.hidden_size)
 
@@ -104,31 +104,31 @@ def one_thread():
 
 def test_matmul_floor_is_the_fastest_run_per_step(tiny_llm, fake_clock):
     fake_clock(0.0, 4.0, 10.0, 13.0)  # two runs of 20 steps: 4 s, then 3 s
-    floor = bm.matmul_floor(tiny_llm.model, batch_size=8, steps=20, warmup=0, repeats=2)
+    floor = decode_speed.matmul_floor(tiny_llm.model, batch_size=8, steps=20, warmup=0, repeats=2)
     assert (floor.engine, floor.dtype, floor.batch_size, floor.ttft_s) == ("matmul floor", "float32", 8, None)
     assert floor.tpot_s == pytest.approx(3.0 / 20)
     assert floor.decode_tokens_per_s == pytest.approx(8 / 0.15)
 
 
 def test_matmul_floor_batching_is_nearly_free(tiny_llm, one_thread):
-    one = bm.matmul_floor(tiny_llm.model, batch_size=1, steps=20)
-    eight = bm.matmul_floor(tiny_llm.model, batch_size=8, steps=20)
+    one = decode_speed.matmul_floor(tiny_llm.model, batch_size=1, steps=20)
+    eight = decode_speed.matmul_floor(tiny_llm.model, batch_size=8, steps=20)
     # on a tiny model a step costs about the same for 1 or 8 rows: expect ~8x the tokens/s, ask for > 2x
     assert eight.decode_tokens_per_s > 2 * one.decode_tokens_per_s
 
 
 def test_make_prompts_are_reproducible_and_in_range():
-    a = bm.make_prompts(TINY.vocab_size, 5, 7, seed=3)
-    assert a == bm.make_prompts(TINY.vocab_size, 5, 7, seed=3)
+    a = decode_speed.make_prompts(TINY.vocab_size, 5, 7, seed=3)
+    assert a == decode_speed.make_prompts(TINY.vocab_size, 5, 7, seed=3)
     assert len(a) == 5 and all(len(p) == 7 for p in a)
     assert all(100 <= t < TINY.vocab_size for p in a for t in p)
     assert len({tuple(p) for p in a}) == 5
 
 
 def test_time_minfer_counts_the_tokens_it_generated(tiny_llm):
-    prompts = bm.make_prompts(TINY.vocab_size, 3, 6)
+    prompts = decode_speed.make_prompts(TINY.vocab_size, 3, 6)
     start = time.perf_counter()
-    t = bm.time_minfer(tiny_llm, prompts, max_tokens=5, batch_size=4, warmup=False)  # more rows than prompts: they repeat
+    t = decode_speed.time_minfer(tiny_llm, prompts, max_tokens=5, batch_size=4, warmup=False)  # more rows than prompts: they repeat
     wall = time.perf_counter() - start
     assert (t.engine, t.dtype, t.batch_size, t.num_output_tokens, t.prompt_len) == ("minfer", "float32", 4, 5, 6)
     # TTFT + 4 TPOT is a request's whole timeline (arrival to last token): inside the call, and most of it
@@ -141,16 +141,16 @@ def test_time_minfer_counts_the_tokens_it_generated(tiny_llm):
 
 def test_time_minfer_rejects_a_single_token():
     with pytest.raises(ValueError, match="max_tokens"):
-        bm.time_minfer(None, [[1, 2]], max_tokens=1)
+        decode_speed.time_minfer(None, [[1, 2]], max_tokens=1)
 
 
 def test_transformers_generates_the_same_tokens_as_minfer(random_tiny_dir, tiny_llm):
     hf, tok = common.load_transformers(random_tiny_dir, "float32", "cpu")
-    prompts = bm.make_prompts(TINY.vocab_size, 2, 6, seed=5)
+    prompts = decode_speed.make_prompts(TINY.vocab_size, 2, 6, seed=5)
     start = time.perf_counter()
-    theirs = bm.time_transformers(hf, tok, prompts, max_tokens=6, batch_size=2, warmup=False)
+    theirs = transformers_timing.time_transformers(hf, tok, prompts, max_tokens=6, batch_size=2, warmup=False)
     wall = time.perf_counter() - start
-    ours = bm.time_minfer(tiny_llm, prompts, max_tokens=6, batch_size=2)
+    ours = decode_speed.time_minfer(tiny_llm, prompts, max_tokens=6, batch_size=2)
     assert (theirs.engine, theirs.batch_size, theirs.num_output_tokens) == ("transformers", 2, 6)
     assert wall / 3 < theirs.ttft_s + 5 * theirs.tpot_s <= wall  # generate's first step to its last, inside the call
     assert theirs.extra["token_ids"] == ours.extra["token_ids"]  # same weights, greedy: the same work
@@ -158,25 +158,25 @@ def test_transformers_generates_the_same_tokens_as_minfer(random_tiny_dir, tiny_
 
 
 def test_mbu_is_weight_bytes_per_step_over_bandwidth():
-    assert bm.model_bandwidth_utilisation(1e9, 0.02, 100e9) == pytest.approx(0.5)
-    assert bm.model_bandwidth_utilisation(540e6, 0.05, 54e9) == pytest.approx(0.2)  # 540 MB x 20 steps/s of 54 GB/s
-    assert bm.Timing("minfer", "float32", 4, 0.1, 0.02, 10).decode_tokens_per_s == pytest.approx(200)  # 4 rows / 20 ms
+    assert decode_speed.model_bandwidth_utilisation(1e9, 0.02, 100e9) == pytest.approx(0.5)
+    assert decode_speed.model_bandwidth_utilisation(540e6, 0.05, 54e9) == pytest.approx(0.2)  # 540 MB x 20 steps/s of 54 GB/s
+    assert timing.Timing("minfer", "float32", 4, 0.1, 0.02, 10).decode_tokens_per_s == pytest.approx(200)  # 4 rows / 20 ms
 
 
 def test_decode_kv_bytes_is_the_mean_context_of_the_decode_steps():
     # prompts of 4, 3 new tokens: the decode steps attend over 5 and 6 tokens
-    assert bm.decode_kv_bytes(10, batch=2, prompt_tokens=4, new_tokens=3) == 2 * (5 + 6) / 2 * 10
+    assert decode_speed.decode_kv_bytes(10, batch=2, prompt_tokens=4, new_tokens=3) == 2 * (5 + 6) / 2 * 10
 
 
 def test_best_of_keeps_the_fastest():
-    runs = [bm.Timing("minfer", "float32", 1, 0.3, 0.02, 4), bm.Timing("minfer", "float32", 1, 0.1, 0.03, 4)]
-    best = bm.best_of(runs)
+    runs = [timing.Timing("minfer", "float32", 1, 0.3, 0.02, 4), timing.Timing("minfer", "float32", 1, 0.1, 0.03, 4)]
+    best = timing.best_of(runs)
     assert (best.tpot_s, best.ttft_s) == (0.02, 0.1)
 
 
 @pytest.mark.slow
 def test_run_benchmark_table_and_docs_section(tmp_path):
-    result = bm.run_generate_benchmark(random_weights="tiny", dtypes=["float32"], batch_sizes=[1, 2], max_tokens=3,
+    result = generate.run_generate_benchmark(random_weights="tiny", dtypes=["float32"], batch_sizes=[1, 2], max_tokens=3,
                                        prompt_len=4, repeats=1, floor_steps=2, progress=False, bandwidth_mb=8)
     rows = {(r["engine"], r["batch_size"]): r for r in result["rows"]}
     assert set(rows) == {(e, b) for e in ("minfer", "transformers", "matmul floor", "F.linear floor") for b in (1, 2)}
@@ -190,14 +190,14 @@ def test_run_benchmark_table_and_docs_section(tmp_path):
         # MBU divides by the same bytes and bandwidth for every engine: MBU ratios are speed ratios
         assert rows["minfer", b]["mbu"] / rows["matmul floor", b]["mbu"] == pytest.approx(ratio["minfer_vs_floor"])
     json.dumps(result)  # JSON-able
-    table = bm.format_markdown(result, command="python -m minfer bench --x")
+    table = generate_report.format_markdown(result, command="python -m minfer bench --x")
     assert "| float32 | 2 | minfer |" in table and "python -m minfer bench --x" in table
     docs = tmp_path / "benchmarks.md"
     docs.write_text("# Benchmarks\n\nintro kept\n")
-    bm.update_docs(table, docs)
-    bm.update_docs(table.replace("--x", "--y"), docs)
+    generate_report.update_docs(table, docs)
+    generate_report.update_docs(table.replace("--x", "--y"), docs)
     text = docs.read_text()
-    assert text.count(bm.DOCS_START) == 1 and text.count(bm.DOCS_END) == 1
+    assert text.count(generate_report.DOCS_START) == 1 and text.count(generate_report.DOCS_END) == 1
     assert "intro kept" in text and "--y" in text and "--x" not in text
 
 
@@ -291,9 +291,9 @@ def test_gpu_check_script_runs_on_cpu_with_tiny_shapes(tmp_path):
 
 def test_time_minfer_computes_every_prompt_token(tiny_llm):
     """The warm-up must not leave the prompts in the prefix cache, or TTFT would time a cache hit."""
-    prompts = bm.make_prompts(tiny_llm.config.vocab_size, 2, 40)
+    prompts = decode_speed.make_prompts(tiny_llm.config.vocab_size, 2, 40)
     scheduler = tiny_llm.engine.scheduler
     cached_before = scheduler.cached_prompt_tokens
-    bm.time_minfer(tiny_llm, prompts, max_tokens=3, batch_size=2)
+    decode_speed.time_minfer(tiny_llm, prompts, max_tokens=3, batch_size=2)
     assert scheduler.cached_prompt_tokens == cached_before
     assert tiny_llm.engine.blocks.enable_prefix_caching  # restored afterwards

@@ -10,7 +10,7 @@ import torch
 
 from minfer import LLM
 from minfer.lab.bench import quant as qb
-from minfer.lab.bench.generate import Timing
+from minfer.lab.bench.timing import Timing
 from minfer.models.loader import load_model
 
 # tiny_dir by hand: 2 layers of q/k/v (128 x 64), o (64 x 64), gate/up (256 x 64), down (64 x 128): the

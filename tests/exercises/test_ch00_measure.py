@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from minfer.lab.bench import generate as benchmark
+from minfer.lab.bench import decode_speed as benchmark
 from minfer.outputs import RequestMetrics
 
 

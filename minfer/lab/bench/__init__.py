@@ -4,10 +4,22 @@ and the notebooks (a notebook's measurement and the published one share the same
     common.py    what every harness shares: synchronize and best_time (the one "fastest of a few
                  runs"), the transformers step clock, machine info, loading transformers on the
                  same weights, quiet(), and writing a benchmark's section of a docs page
-    generate.py  decode speed: minfer vs transformers `generate` vs the bare-matmul floor, memory
-                 bandwidth, weight bytes per step, MBU (chapter 00, bench_generate.py, `python -m minfer bench`)
+    timing.py    one decode measurement (Timing: TTFT, TPOT, decode tokens/s, MBU) and the best of repeats
+    decode_speed.py  decode speed against its memory bound: minfer timed on token-id prompts, memory
+                 bandwidth, weight bytes per step, the matmul floor, MBU (chapter 00; quant.py and
+                 kernels.py measure with it too)
+    transformers_timing.py  transformers' `generate` timed as minfer is (step clock, EOS off, left padding)
+    generate.py  the generate benchmark: minfer vs transformers `generate` vs the bare-matmul floor, its
+                 presets, the run and its command line (bench_generate.py, `python -m minfer bench`)
+    generate_report.py  its report: the ratios, the markdown table against the targets, the docs section
     serving.py   many requests at once: continuous vs static batching vs one by one vs transformers,
-                 KV memory waste, prefix caching (chapters 03-05, bench_serving.py)
+                 KV memory waste, prefix caching, run as one benchmark (chapters 03-05, bench_serving.py)
+    serving_workload.py  its workload (prompts cut from the Python docs, spread output lengths) and the
+                 KV memory each cache layout reserves for it
+    serving_stats.py  a run's results as one row: throughput, TTFT/TPOT percentiles, the load average
+    serving_engines.py  the workload run through minfer continuous, static, one by one, and transformers
+    serving_prefix.py  the prefix-caching experiment: shared text first or after, passages stable or shuffled
+    serving_report.py  its report: the markdown tables against the targets, the docs section, the plot
     quant.py     each quantization format's perplexity, greedy agreement, bytes and decode speed, the
                  channel-scrambled model, llama.cpp beside (chapter 06, bench_quant.py)
     real_size.py the weight formats' decode speed on random weights of Llama-3.1-8B's shapes, built on the

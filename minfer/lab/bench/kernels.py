@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from minfer.lab.bench.common import best_time
-from minfer.lab.bench.generate import measure_memory_bandwidth
+from minfer.lab.bench.decode_speed import measure_memory_bandwidth
 
 BASELINES = ("gather", "sdpa")
 

@@ -18,7 +18,7 @@ import math
 from typing import Optional, Sequence
 
 from minfer.lab.bench.loadgen import RequestResult
-from minfer.lab.bench.serving import percentile
+from minfer.lab.bench.serving_stats import percentile
 
 SLO_METRICS = ("ttft", "tpot", "e2el")  # what --goodput may constrain (vLLM's keys), in ms
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")

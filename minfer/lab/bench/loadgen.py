@@ -35,7 +35,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from minfer.lab.bench.serving import make_workload
+from minfer.lab.bench.serving_workload import make_workload
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 

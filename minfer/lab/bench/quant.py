@@ -30,7 +30,8 @@ from typing import Optional, Sequence
 import torch
 
 from minfer.lab.bench.common import machine_info
-from minfer.lab.bench.generate import best_of, make_prompts, time_minfer
+from minfer.lab.bench.decode_speed import make_prompts, time_minfer
+from minfer.lab.bench.timing import best_of
 from minfer.lab.evaluate import EVAL_PROMPTS, eval_set_info, greedy_agreement, greedy_reference, perplexity
 from minfer.llm import LLM
 from minfer.quant import linear_weight_bytes
