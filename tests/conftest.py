@@ -1,5 +1,5 @@
-"""Shared fixtures: the real model, its transformers reference, and the tiny random models; and the
-order in which the test files run (longest first, from tests/durations.json).
+"""Shared fixtures: the real model, its transformers reference, and the tiny random models; the order in
+which the test files run (longest first, from tests/durations.json); and, without a GPU, Triton's interpreter.
 
 The tiny models are built by `minfer.lab.testing` (one builder per kind); the fixtures here give each
 variant a name, build it once per test process, and never write into it (a test that changes its
@@ -7,16 +7,27 @@ model's files builds its own copy in tmp_path).
 """
 import json
 import os
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
 
-from minfer import LLM
-from minfer.lab.course import IMPLS
-from minfer.models.loader import load_model, save_hf_checkpoint
-from minfer.lab.testing import random_checkpoint, tiny_hf_checkpoint
+# @triton.jit reads TRITON_INTERPRET when it decorates a function, triton's own tl.max and tl.sum included, so the
+# variable must be set before anything imports triton (minfer below does). Without a GPU the Triton kernels then run
+# under the interpreter (with numpy) in every test process and the subprocesses it starts; on a GPU they run
+# compiled. Set, not defaulted: the kernel tests need the interpreter whatever the shell says.
+if not torch.cuda.is_available():
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("triton was imported before tests/conftest.py could set TRITON_INTERPRET=1: the kernels "
+                           "cannot be interpreted in this process")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from minfer import LLM  # noqa: E402
+from minfer.lab.course import IMPLS  # noqa: E402
+from minfer.models.loader import load_model, save_hf_checkpoint  # noqa: E402
+from minfer.lab.testing import random_checkpoint, tiny_hf_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")

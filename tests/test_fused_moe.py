@@ -1,27 +1,16 @@
 """The MoE layer's three implementations against the reference: the fused Triton kernels (under
 TRITON_INTERPRET=1 without a GPU, on small shapes), the grouped CPU path, and the routing rule.
 
-As in tests/test_kernels.py, the interpreter must be switched on before triton is first imported;
-when another test module got there first, the kernel tests rerun here in a fresh process.
+tests/conftest.py switches the interpreter on before triton is first imported.
 """
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-INTERPRETER_READY = DEVICE == "cuda" or "triton" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1"
-if DEVICE == "cpu" and INTERPRETER_READY:
-    os.environ["TRITON_INTERPRET"] = "1"
-needs_kernels = pytest.mark.skipif(not INTERPRETER_READY, reason="triton was imported before TRITON_INTERPRET "
-                                   "could be set; test_kernels_in_a_fresh_process runs these")
-
-from minfer.kernels.fused_moe import align_by_expert, align_by_expert_reference, fused_moe  # noqa: E402
-from minfer.layers.moe import (distinct_experts, moe_mlp, moe_mlp_grouped, moe_mlp_reference, route_topk,  # noqa: E402
+from minfer.kernels.fused_moe import align_by_expert, align_by_expert_reference, fused_moe
+from minfer.layers.moe import (distinct_experts, moe_mlp, moe_mlp_grouped, moe_mlp_reference, route_topk,
                                tokens_per_expert)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # (tokens, hidden, intermediate, experts, top-k): one decode row; sizes that are not multiples of
 # the tiles (masks); more experts than pairs (most of them unused)
@@ -64,7 +53,6 @@ def test_align_by_expert_matches_its_reference(shape, block_m):
     assert sorted(p for p in want_pairs if p >= 0) == list(range(ids.numel()))  # every pair exactly once
 
 
-@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
 @pytest.mark.parametrize("shape", SHAPES)
 def test_fused_moe_matches_reference(shape, dtype):
@@ -76,7 +64,6 @@ def test_fused_moe_matches_reference(shape, dtype):
     assert (got.float() - expected.float()).abs().max().item() <= TOLERANCE[dtype] * max(1.0, scale)
 
 
-@needs_kernels
 def test_fused_moe_tile_height_and_the_layer_dispatch():
     args = problem(13, 40, 24, 6, 3, seed=1)
     expected = moe_mlp_reference(*args)
@@ -84,7 +71,6 @@ def test_fused_moe_tile_height_and_the_layer_dispatch():
     torch.testing.assert_close(moe_mlp(*args, impl="triton"), expected, atol=1e-4, rtol=1e-4)
 
 
-@needs_kernels
 def test_fused_moe_in_a_model():
     """A whole (tiny, random) Qwen2-MoE-shaped model: its logits through the kernels are the reference's."""
     from minfer.config import ModelConfig
@@ -148,11 +134,3 @@ def test_bad_shapes_and_names_are_refused():
     with pytest.raises(ValueError, match="integer"):
         moe_mlp(x, weights, ids.float(), gate_up, down)
 
-
-@pytest.mark.slow
-@pytest.mark.skipif(INTERPRETER_READY, reason="the kernel tests ran in this process")
-def test_kernels_in_a_fresh_process():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}  # no plugin needed: 4 s less
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-k", "test_fused_moe_", __file__], env=env,
-                            capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

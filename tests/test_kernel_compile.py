@@ -12,8 +12,8 @@ CUDA machine one more test runs the kernels whose own tests always interpret the
 quantized matmuls) compiled, against their references.
 
 Interpreted and compiled kernels cannot share a process: @triton.jit reads TRITON_INTERPRET when
-it decorates a function, and tests/test_kernels.py sets it while pytest collects. So everything
-that compiles runs in a subprocess without the variable, and this module imports no triton.
+it decorates a function, and tests/conftest.py sets it (without a GPU) before anything imports triton. So
+everything that compiles runs in a subprocess without the variable, and this module imports no triton.
 """
 import json
 import os

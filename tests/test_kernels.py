@@ -3,39 +3,27 @@
 On a CUDA machine the kernels run compiled. Without one they run under Triton's interpreter, which
 executes every program instance with numpy: slow, so the shapes here are small, but it runs the
 kernels' own code (masks, block-table gathers, online softmax) and catches the same mistakes.
-The interpreter must be switched on before triton is first imported; when another test module got
-there first, the kernel tests are skipped here and run again in a fresh pytest process.
+tests/conftest.py switches the interpreter on before triton is first imported.
 Tolerances: float32 1e-4, on CUDA too: every tl.dot asks for input_precision="ieee" (checked below), without
 which a GPU rounds float32 operands to TF32 and misses by about 1e-3, a slip the interpreter cannot show;
 float16 5e-3; bfloat16 2e-2 (CUDA only).
 """
 import ast
 import math
-import os
 import runpy
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# @triton.jit reads TRITON_INTERPRET when it decorates a function, and triton's own library
-# (tl.max, tl.sum, ...) is decorated when triton is first imported: the variable must be set
-# before that. Pytest imports this module while collecting, usually before anything has imported
-# triton; if something did (torch._dynamo does), the kernel tests rerun in a fresh process.
-INTERPRETER_READY = DEVICE == "cuda" or "triton" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1"
-if DEVICE == "cpu" and INTERPRETER_READY:
-    os.environ["TRITON_INTERPRET"] = "1"
-needs_kernels = pytest.mark.skipif(not INTERPRETER_READY, reason="triton was imported before TRITON_INTERPRET "
-                                   "could be set; test_kernels_in_a_fresh_process runs these")
+from minfer.kernels import paged_cache, paged_decode_attention as decode_module
+from minfer.kernels.paged_cache import gather_kv, slots_for_positions, use_triton, write_kv, write_kv_reference
+from minfer.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
+from minfer.kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_reference
+from minfer.layers.attention import attention_reference
 
-from minfer.kernels import paged_cache, paged_decode_attention as decode_module  # noqa: E402
-from minfer.kernels.paged_cache import gather_kv, slots_for_positions, use_triton, write_kv, write_kv_reference  # noqa: E402
-from minfer.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_reference  # noqa: E402
-from minfer.kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_reference  # noqa: E402
-from minfer.layers.attention import attention_reference  # noqa: E402
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 # (num_heads, num_kv_heads, head_dim): GQA groups of 1, 3 and 9; 24 is not a power of two, so the
@@ -113,7 +101,6 @@ def test_gather_returns_what_was_written():
         assert torch.equal(gather_kv(v_pool, block_tables[seq], int(context_lens[seq])), v)
 
 
-@needs_kernels
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_write_kv_matches_reference(block_size):
     gen = torch.Generator().manual_seed(block_size)
@@ -171,7 +158,6 @@ def test_prefill_reference_is_attention(heads, kv_heads, head_dim, q_len, length
 
 # --- the kernels against the references -----------------------------------------------------------
 
-@needs_kernels
 def test_kernels_run_as_triton_here():
     """Guards the comparisons below: they must exercise Triton, not the reference fallback."""
     assert use_triton(torch.empty(1, device=DEVICE))
@@ -181,7 +167,6 @@ def test_kernels_run_as_triton_here():
         assert isinstance(paged_cache._write_kv_kernel, InterpretedFunction)
 
 
-@needs_kernels
 @pytest.mark.parametrize("heads,kv_heads,head_dim", HEAD_SHAPES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_decode_kernel_matches_reference(heads, kv_heads, head_dim, block_size):
@@ -194,7 +179,6 @@ def test_decode_kernel_matches_reference(heads, kv_heads, head_dim, block_size):
     assert_close(paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, block_n=16), expected)
 
 
-@needs_kernels
 def test_decode_kernel_default_tiles_and_scale():
     gen = torch.Generator().manual_seed(1)
     lengths = [150, 64, 3]  # past two tiles of the default 64 tokens, exactly one, and a partial one
@@ -207,7 +191,6 @@ def test_decode_kernel_default_tiles_and_scale():
 HALF_DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])  # the interpreter mishandles bfloat16 math
 
 
-@needs_kernels
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_decode_kernel_half_precision(dtype):
     gen = torch.Generator().manual_seed(2)
@@ -218,7 +201,6 @@ def test_decode_kernel_half_precision(dtype):
     assert_close(paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, block_n=16), expected)
 
 
-@needs_kernels
 @pytest.mark.parametrize("heads,kv_heads,head_dim", HEAD_SHAPES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("cached_prefix", [False, True], ids=["whole_prompt", "after_cached_prefix"])
@@ -236,7 +218,6 @@ def test_prefill_kernel_matches_reference(heads, kv_heads, head_dim, block_size,
     assert_close(actual, expected)
 
 
-@needs_kernels
 def test_prefill_kernel_default_tiles_and_half_precision():
     gen = torch.Generator().manual_seed(3)
     q_lens, lengths = [70, 9], [90, 9]
@@ -251,7 +232,6 @@ def test_prefill_kernel_default_tiles_and_half_precision():
                  expected)
 
 
-@needs_kernels
 def test_one_engine_step_prefill_then_decode():
     """The engine's order of work: write the new tokens' K/V, then attend; equal to contiguous attention."""
     gen = torch.Generator().manual_seed(4)
@@ -315,10 +295,3 @@ def test_benchmark_says_it_needs_cuda(capsys, monkeypatch):
     assert exit_info.value.code == 0
     assert "needs CUDA" in capsys.readouterr().out
 
-
-@pytest.mark.skipif(INTERPRETER_READY, reason="the kernel tests ran in this process")
-def test_kernels_in_a_fresh_process():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}  # no plugin needed: 4 s less
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", __file__], env=env, capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parents[1])
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

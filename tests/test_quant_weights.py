@@ -1,8 +1,8 @@
 """Weight quantization: the formats' error bounds, the fast paths and kernels against the reference,
 quantized models against unquantized ones, and the GGUF Q4_1 file read as our int4 g32.
 
-The Triton kernels run in a fresh process under TRITON_INTERPRET=1 (see tests/test_kernels.py for
-why the variable must be set before triton is imported), on small shapes.
+The Triton kernels run interpreted (TRITON_INTERPRET=1), on small shapes, in a fresh process: so they are
+interpreted on a GPU machine too, whose test process compiles (tests/test_kernel_compile.py runs them compiled).
 """
 import copy
 import os
