@@ -342,8 +342,9 @@ def test_a_one_at_a_time_server_shows_queueing_in_ttft():
     ttft_serial = sorted(r.ttft for r in serial)
     ttft_concurrent = sorted(r.ttft for r in concurrent)
     service = min(r.latency for r in serial)  # one request's whole stream
-    assert ttft_serial[-1] >= 0.8 * (n - 1) * service  # the last one waited for the three before it
-    assert ttft_serial[-1] > 2 * ttft_concurrent[-1]
+    # the last one waited for the three before it: measured 0.98 of three streams, asserted a third of that
+    assert ttft_serial[-1] >= (n - 1) * service / 3
+    assert ttft_serial[-1] > 1.5 * ttft_concurrent[-1]  # measured 185x, 4.9x at worst beside the suite
 
 
 def test_max_concurrency_caps_requests_in_flight(fake_url):
@@ -370,9 +371,14 @@ def test_errors_are_recorded_not_raised(fake_url):
 def test_a_run_stops_at_max_duration():
     with serving(fake_app(token_delay=0.5)) as url:
         start = time.perf_counter()
+        finished, _ = run(url, FAKE_MODEL, specs(3, max_tokens=2), math.inf)  # 0.5 s of streaming each
+        whole = time.perf_counter() - start
+        start = time.perf_counter()
         results, duration = run(url, FAKE_MODEL, specs(3, max_tokens=100), math.inf, max_duration_s=0.5)
         elapsed = time.perf_counter() - start
-    assert elapsed < 10 and duration < 5  # nowhere near the 50 s the requests would take
+    assert all(r.success for r in finished)
+    # cut off after 0.5 s, as long as the 0.5 s requests took (measured ~1x): nowhere near the 50 s these would take
+    assert duration < elapsed < 4 * whole, (elapsed, whole)
     assert not any(r.success for r in results)
     assert all("max-duration" in r.error for r in results)
 
