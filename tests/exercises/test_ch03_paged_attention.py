@@ -5,32 +5,24 @@ inside the engine.
 
 The Triton kernels run compiled on CUDA, and on a CPU under Triton's interpreter, which must be
 switched on (TRITON_INTERPRET=1) before triton is first imported: @triton.jit reads it when it
-decorates a function, triton's own tl.max and tl.sum included. The notebook sets it before its
-imports, and check("ch03") hands it on to this file's process. Where triton was imported without
-it (tests/conftest.py imports the engine, which imports triton), the kernel tests are not collected
-here and test_triton_ladder_in_a_fresh_process runs this file again with the interpreter on.
+decorates a function, triton's own tl.max and tl.sum included. tests/conftest.py switches it on
+without a GPU, before anything imports triton.
 """
 import itertools
 import math
-import os
-import sys
 
 import pytest
 import torch
 
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from minfer.engine.block_manager import BlockManager
+from minfer.kernels.paged_cache import slots_for_positions, write_kv_reference
+from minfer.kernels.paged_decode_attention import paged_decode_attention_reference
+
 ON_CUDA = torch.cuda.is_available()
-KERNELS_RUN_HERE = ON_CUDA or os.environ.get("TRITON_INTERPRET") == "1" or "triton" not in sys.modules
-if KERNELS_RUN_HERE and not ON_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
 DEVICE = "cuda" if ON_CUDA else "cpu"
-
-import torch.nn.functional as F  # noqa: E402
-from torch.nn.attention.bias import causal_lower_right  # noqa: E402  (it imports triton)
-
-from minfer.lab.course import REPO_ROOT, run_tests  # noqa: E402
-from minfer.engine.block_manager import BlockManager  # noqa: E402
-from minfer.kernels.paged_cache import slots_for_positions, write_kv_reference  # noqa: E402
-from minfer.kernels.paged_decode_attention import paged_decode_attention_reference  # noqa: E402
 
 
 @pytest.fixture
@@ -159,25 +151,6 @@ def test_online_softmax_never_calls_softmax(impl, gen, monkeypatch):
 
 # ----------------------------------------------------------------- the Triton ladder
 
-def runs_kernels(test):
-    """Collect a kernel test only where the kernels can run in this process (see the module docstring)."""
-    test.__test__ = KERNELS_RUN_HERE
-    return test
-
-
-def test_triton_ladder_in_a_fresh_process(request, monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    results = run_tests([os.path.relpath(__file__, REPO_ROOT)], request.config.getoption("--impl"))
-    kernel_tests = [r for r in results if "triton" in r.name]
-    failed = [f"{r.name}: {r.message.splitlines()[0][:200] if r.message else r.outcome}"
-              for r in results if r.outcome != "passed"]
-    assert kernel_tests, "the fresh process ran no kernel test"
-    assert not failed, "under TRITON_INTERPRET=1:\n" + "\n".join(failed)
-
-
-test_triton_ladder_in_a_fresh_process.__test__ = not KERNELS_RUN_HERE
-
-
 @pytest.fixture
 def in_a_kernel(monkeypatch):
     """in_a_kernel(fn, *args, **kwargs) -> fn's result, computed with torch's softmax switched off, and
@@ -209,7 +182,6 @@ def in_a_kernel(monkeypatch):
     return run
 
 
-@runs_kernels
 @pytest.mark.parametrize("rows,cols", [(1, 1), (3, 5), (4, 16), (2, 100)])
 def test_softmax_rows_triton_equals_softmax(impl, gen, in_a_kernel, rows, cols):
     x = torch.randn(rows, cols, generator=gen).to(DEVICE)
@@ -218,7 +190,6 @@ def test_softmax_rows_triton_equals_softmax(impl, gen, in_a_kernel, rows, cols):
     torch.testing.assert_close(in_a_kernel(impl.softmax_rows_triton, x), expected, rtol=1e-5, atol=1e-6)
 
 
-@runs_kernels
 def test_softmax_rows_triton_spaced_rows_and_huge_values(impl, gen, in_a_kernel):
     wide = torch.randn(3, 20, generator=gen).to(DEVICE) * 1000  # exp(1000) overflows unless the max is subtracted
     x = wide[:, 2:9]  # rows 20 floats apart: the kernel must use x.stride(0)
@@ -245,7 +216,6 @@ TILE_CASES = {  # (keys seen before, keys in the tile, how the tile's scores com
 }
 
 
-@runs_kernels
 @pytest.mark.parametrize("case", list(TILE_CASES))
 @pytest.mark.parametrize("head_dim", [4, 24])
 def test_online_softmax_tile_triton_folds_a_tile_into_the_state(impl, gen, in_a_kernel, case, head_dim):
@@ -285,7 +255,6 @@ def paged_batch(lengths: list[int], heads: int, kv_heads: int, head_dim: int, bl
     return q, k_pool, v_pool, tables, torch.tensor(lengths, dtype=torch.int32)
 
 
-@runs_kernels
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (6, 2, 24), (9, 1, 8)], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("block_size,block_n", [(4, 16), (8, 4), (16, 16)],
                          ids=["tile-spans-blocks", "tile-inside-a-block", "tile-is-a-block"])
@@ -298,7 +267,6 @@ def test_paged_attention_triton_equals_the_reference(impl, gen, in_a_kernel, hea
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
-@runs_kernels
 def test_paged_attention_triton_uses_the_scale(impl, gen, in_a_kernel):
     q, k_pool, v_pool, tables, lens = paged_batch([5, 20], 4, 2, 8, 4, gen)
     expected = paged_decode_attention_reference(q, k_pool, v_pool, tables, lens, scale=0.7)
@@ -307,7 +275,6 @@ def test_paged_attention_triton_uses_the_scale(impl, gen, in_a_kernel):
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
-@runs_kernels
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 def test_paged_attention_split_k_triton_equals_the_reference(impl, gen, in_a_kernel, num_splits):
     # lengths 1 and 9 leave some of 8 splits empty; 90 with tiles of 4 fills all 8 (slices of 12 tokens)
@@ -318,7 +285,6 @@ def test_paged_attention_split_k_triton_equals_the_reference(impl, gen, in_a_ker
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
-@runs_kernels
 def test_paged_attention_triton_at_a_real_size_and_its_speed(impl, gen, in_a_kernel, record_property):
     """SmolLM2's heads (9 query, 3 KV, 64 wide) over long contexts: still equal to the reference. On CUDA the
     check also times your kernel against the gather reference and reports the speedup (check("ch03") prints it)."""
@@ -371,7 +337,6 @@ PREFILL_CASES = {  # (new tokens per sequence, context lengths, heads, KV heads,
 }
 
 
-@runs_kernels
 @pytest.mark.parametrize("case", list(PREFILL_CASES))
 def test_flash_prefill_triton_equals_sdpa(impl, gen, in_a_kernel, case):
     # every context but the 32-token one ends inside its last block (a partial last block); tiles of 16
@@ -382,7 +347,6 @@ def test_flash_prefill_triton_equals_sdpa(impl, gen, in_a_kernel, case):
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
-@runs_kernels
 def test_flash_prefill_triton_other_tiles_and_the_scale(impl, gen, in_a_kernel):
     batch = prefill_batch([12, 37], [50, 37], 4, 2, 16, 4, gen)
     expected = sdpa_prefill(*batch, scale=0.3)
@@ -390,7 +354,6 @@ def test_flash_prefill_triton_other_tiles_and_the_scale(impl, gen, in_a_kernel):
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
-@runs_kernels
 def test_flash_prefill_triton_inside_the_engine(impl, random_tiny_dir, monkeypatch):
     """The engine's Triton path with your kernel for every prefill chunk gives the tokens and log-probabilities
     of its own kernel. Chunks of at most 16 tokens split the longer prompts: later chunks read a cached prefix."""
