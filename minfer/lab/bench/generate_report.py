@@ -95,7 +95,7 @@ def update_docs(markdown: str, path: Union[str, Path]) -> None:
     """Replace the generate-benchmark section of the docs page at `path` (between its markers), or add it."""
     intro = ("Decode speed of minfer against transformers' `generate` and against the bare matrix multiplications "
              "of a decode step (the matmul floor), same weights, same prompts, one process. How each number is "
-             "timed: `minfer/lab/bench/generate.py` (the course notebooks use the same helpers). Regenerate with "
+             "timed: `minfer/lab/bench/decode_speed.py` (the course notebooks use the same helpers). Regenerate with "
              "`python benchmarks/bench_generate.py --update-docs` on a quiet machine.")
     write_docs_section(markdown, path, DOCS_START, DOCS_END, "## minfer vs transformers `generate`", intro)
 

@@ -7,7 +7,7 @@ measures, on the same machine and dtype:
   - greedy agreement with the unquantized model (teacher-forced, `minfer.lab.evaluate`),
   - bytes of the decoder layers' linear weights (scales and zero points included) and the
     ratio to bfloat16, and KV-cache bytes per token,
-  - decode tokens/s at batch 1 and at a larger batch (`minfer.lab.bench.generate.time_minfer`).
+  - decode tokens/s at batch 1 and at a larger batch (`minfer.lab.bench.decode_speed.time_minfer`).
 
 The honest int4 rows. SmolLM2-135M ships as GGUF Q4_1: its weights already sit on a 4-bit grid,
 in blocks of 32 along each row. int4 with groups of 32 aligned to those blocks can land on the
