@@ -37,8 +37,8 @@ def tiny_params() -> int:
 
 
 @pytest.fixture(scope="module")
-def tiny_llm(random_tiny_dir) -> LLM:
-    return LLM(random_tiny_dir, dtype="float32", device="cpu")
+def tiny_llm(make_tiny_llm) -> LLM:
+    return make_tiny_llm("random")
 
 
 @pytest.fixture

@@ -16,8 +16,8 @@ BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny_dir's K and V: 2 layers x 2 KV head
 
 
 @pytest.fixture(scope="module")
-def tiny_llm(tiny_dir) -> LLM:
-    return LLM(tiny_dir, dtype="float32", device="cpu", max_num_seqs=4, kv_cache_memory_bytes=2**22)
+def tiny_llm(make_tiny_llm) -> LLM:
+    return make_tiny_llm(max_num_seqs=4, kv_cache_memory_bytes=2**22)
 
 
 def test_workload_is_deterministic_and_within_bounds(llm):

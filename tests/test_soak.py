@@ -14,8 +14,8 @@ from minfer.serving.metrics import ServerMetrics
 
 
 @pytest.fixture(scope="module")
-def tiny_llm(random_tiny_dir) -> LLM:
-    return LLM(random_tiny_dir, dtype="float32", device="cpu", num_gpu_blocks_override=96, max_num_seqs=8)
+def tiny_llm(make_tiny_llm) -> LLM:
+    return make_tiny_llm("random", num_gpu_blocks_override=96, max_num_seqs=8)
 
 
 def test_mixed_soak_leaks_no_block_and_no_request(tiny_llm):
