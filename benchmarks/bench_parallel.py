@@ -49,30 +49,27 @@ def run(llm: LLM, prompts: list[dict], max_tokens: int) -> dict:
     """Step the engine by hand and record every step: its time, its rows, and the communication in it."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
-    stats = getattr(llm.engine.runner, "comm_stats", None)
     engine, steps = llm.engine, []
     llm.add_requests(prompts, params)
     start = time.perf_counter()
     while llm.has_unfinished_requests():
-        counts = engine.snapshot()
-        rows = counts.computed_tokens + counts.padding_tokens
-        before = (stats.all_reduces, stats.all_reduce_bytes, stats.all_reduce_seconds, stats.broadcast_seconds,
-                  stats.broadcast_bytes) if stats else None
+        before = engine.snapshot()
         t = time.perf_counter()
         llm.step()
-        seconds, counts = time.perf_counter() - t, engine.snapshot()
-        step = {"seconds": seconds, "rows": counts.computed_tokens + counts.padding_tokens - rows}
-        if stats:
-            step.update(all_reduces=stats.all_reduces - before[0], all_reduce_bytes=stats.all_reduce_bytes - before[1],
-                        all_reduce_seconds=stats.all_reduce_seconds - before[2], broadcast_seconds=stats.broadcast_seconds - before[3],
-                        broadcast_bytes=stats.broadcast_bytes - before[4])
+        seconds, after = time.perf_counter() - t, engine.snapshot()
+        step = {"seconds": seconds, "rows": after.computed_tokens + after.padding_tokens - before.computed_tokens
+                - before.padding_tokens}
+        if after.communication:  # tensor parallelism: this step's collectives
+            step.update({name: getattr(after.communication, name) - getattr(before.communication, name)
+                         for name in ("all_reduces", "all_reduce_bytes", "all_reduce_seconds", "broadcast_seconds",
+                                      "broadcast_bytes")})
         steps.append(step)
     elapsed = time.perf_counter() - start
     decode = [s for s in steps if s["rows"] <= 32]  # decode steps: one row per sequence (bucketed)
     summary = {"output_tokens": len(prompts) * max_tokens, "seconds": elapsed,
                "tokens_per_s": len(prompts) * max_tokens / elapsed, "steps": len(steps),
                "decode_steps": len(decode), "decode_step_ms": 1e3 * statistics.median(s["seconds"] for s in decode)}
-    if stats:
+    if "all_reduces" in steps[0]:
         summary.update(
             all_reduces_per_step=statistics.median(s["all_reduces"] for s in decode),
             all_reduce_bytes_per_decode_step=statistics.median(s["all_reduce_bytes"] for s in decode),

@@ -2,7 +2,7 @@
 
     llm = LLM("smollm2-135m", tensor_parallel_size=3)     # 9 query heads, 3 KV heads: N is 1 or 3
     llm.generate(prompts, params)                          # as before; the split is invisible here
-    llm.engine.runner.comm_stats                           # all-reduces: count, bytes, seconds (rank 0's view)
+    llm.engine.snapshot().communication                    # all-reduces: count, bytes, seconds (rank 0's view)
 
 Who does what (the layout of vLLM's and nano-vllm's engines):
 

@@ -3,6 +3,7 @@
     snap = engine.snapshot()                 # counts: queues, blocks, tokens, steps, preemptions
     snap = engine.snapshot(detail=True)      # and every sequence, every block, the last step's batch
     snap.spec_decode.draft_acceptance_rate   # with speculative decoding on
+    snap.communication.all_reduces           # with tensor parallelism
 
 A server's event loop, a notebook's live view (`minfer.lab.glass`) and the benchmarks read these
 instead of the scheduler's lists and the block manager's tables. The live state changes on the
@@ -17,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from minfer.layers.parallel_linear import CommStats
 from minfer.outputs import RequestMetrics
 from minfer.speculative.stats import SpecDecodeStats
 
@@ -81,6 +83,7 @@ class EngineSnapshot:
     peak_blocks_used: int
     num_preemptions: int
     spec_decode: Optional[SpecDecodeStats]  # a copy of the draft counts, with speculative decoding on (else None)
+    communication: Optional[CommStats]  # a copy of rank 0's collectives, with tensor parallelism (else None)
     # with detail=True only (empty otherwise)
     sequences: tuple[SequenceView, ...] = ()  # running first, then waiting, each in queue order
     blocks: tuple[BlockView, ...] = ()
@@ -124,4 +127,6 @@ def take_snapshot(engine: Engine, version: int, detail: bool) -> EngineSnapshot:
                           scheduler.has_unfinished(), blocks.num_free_blocks, blocks.num_blocks, blocks.block_size,
                           scheduler.max_num_batched_tokens, engine.prefix_hit_rate, stats.steps, stats.computed_tokens,
                           stats.padding_tokens, stats.peak_blocks_used, scheduler.num_preemptions,
-                          copy.deepcopy(engine.spec_stats) if engine.proposer is not None else None, **extra)
+                          copy.deepcopy(engine.spec_stats) if engine.proposer is not None else None,
+                          dataclasses.replace(comm) if (comm := getattr(engine.runner, "comm_stats", None)) else None,
+                          **extra)
