@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING, Optional
 
 from minfer.layers.parallel_linear import CommStats
 from minfer.outputs import RequestMetrics
+from minfer.sequence import Sequence
 from minfer.speculative.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
-    from minfer.engine.engine import Engine
+    from minfer.engine.engine import Engine  # (which imports this module)
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class SequenceView:
     @property
     def label(self) -> str:
         """"request/completion", e.g. "3/0"."""
-        return f"{self.request_id}/{self.index}"
+        return sequence_label(self.request_id, self.index)
 
     @property
     def num_tokens(self) -> int:
@@ -101,7 +102,11 @@ class EngineSnapshot:
         return self.num_used_blocks / self.num_blocks
 
 
-def sequence_view(seq, state: str) -> SequenceView:
+def sequence_label(request_id: str, index: int) -> str:
+    return f"{request_id}/{index}"
+
+
+def sequence_view(seq: Sequence, state: str) -> SequenceView:
     if state == "waiting" and seq.num_preemptions:
         state = "preempted"
     return SequenceView(seq.request_id, seq.index, state, len(seq.prompt_token_ids), len(seq.output_ids),
@@ -109,24 +114,29 @@ def sequence_view(seq, state: str) -> SequenceView:
                         dataclasses.replace(seq.metrics))
 
 
-def take_snapshot(engine: Engine, version: int, detail: bool) -> EngineSnapshot:
+def detail(engine: Engine) -> dict:
+    """The detail fields: every sequence, every block, the last step's batch (walks them all)."""
+    scheduler, blocks = engine.scheduler, engine.blocks
+    findable = set(blocks.cached.values())  # block ids the prefix cache can find by hash
+    sequences = [sequence_view(s, "running") for s in scheduler.running]
+    sequences += [sequence_view(s, "waiting") for s in scheduler.waiting]
+    block_views = [BlockView(b.block_id, b.ref_count, b.hash, b.parent_hash) if b.block_id in findable
+                   else BlockView(b.block_id, b.ref_count, None, None) for b in blocks.blocks]
+    last_step = [(sequence_label(seq.request_id, seq.index), count,
+                  "decode" if count == 1 and seq.num_computed >= len(seq.prompt_token_ids) else "prefill")
+                 for seq, count in engine.last_batch]
+    return dict(sequences=tuple(sequences), blocks=tuple(block_views), last_step=tuple(last_step),
+                last_padding=engine.last_padding, request_ids=tuple(engine.requests))
+
+
+def take_snapshot(engine: Engine, version: int, with_detail: bool) -> EngineSnapshot:
     """Read the engine's state (on the thread that steps it, between steps)."""
     scheduler, blocks, stats = engine.scheduler, engine.blocks, engine.stats
-    extra = {}
-    if detail:
-        findable = {block_id for block_id in blocks.cached.values()}
-        extra = dict(
-            sequences=tuple(sequence_view(s, state) for state, queue in (("running", scheduler.running),
-                                                                         ("waiting", scheduler.waiting)) for s in queue),
-            blocks=tuple(BlockView(b.block_id, b.ref_count, *((b.hash, b.parent_hash) if b.block_id in findable
-                                                               else (None, None))) for b in blocks.blocks),
-            last_step=tuple((f"{seq.request_id}/{seq.index}", count, "decode" if count == 1 and seq.num_computed >= len(
-                seq.prompt_token_ids) else "prefill") for seq, count in engine.last_batch),
-            last_padding=engine.last_padding, request_ids=tuple(engine.requests))
+    comm = getattr(engine.runner, "comm_stats", None)  # tensor parallelism's runner keeps one
     return EngineSnapshot(version, len(scheduler.running), len(scheduler.waiting), len(engine.requests),
                           scheduler.has_unfinished(), blocks.num_free_blocks, blocks.num_blocks, blocks.block_size,
                           scheduler.max_num_batched_tokens, engine.prefix_hit_rate, stats.steps, stats.computed_tokens,
                           stats.padding_tokens, stats.peak_blocks_used, scheduler.num_preemptions,
                           copy.deepcopy(engine.spec_stats) if engine.proposer is not None else None,
-                          dataclasses.replace(comm) if (comm := getattr(engine.runner, "comm_stats", None)) else None,
-                          **extra)
+                          dataclasses.replace(comm) if comm is not None else None,
+                          **(detail(engine) if with_detail else {}))
