@@ -157,19 +157,20 @@ class GlassEngine:
         return request_id
 
     def step(self, n: int = 1) -> None:
+        now = self.llm.engine.snapshot(detail=True)
         for _ in range(n):
-            if not self.llm.has_unfinished_requests():
+            if not now.has_unfinished:
                 break
-            waiting = {s.label for s in self.llm.engine.snapshot(detail=True).sequences if s.state == "waiting"}
+            waiting = {s.label for s in now.sequences if s.state == "waiting"}
             for output in self.llm.step():
                 if output.finished:
                     self.finished[output.request_id] = output
-            after = self.llm.engine.snapshot(detail=True)
-            admitted = [s for s in after.sequences if s.label in waiting and s.state == "running"]
+            now = self.llm.engine.snapshot(detail=True)  # after this step, and before the next
+            admitted = [s for s in now.sequences if s.label in waiting and s.state == "running"]
             if admitted:  # the blocks the newest admission found in the prefix cache
                 s = admitted[-1]
-                self.hits = set(s.block_table[:s.num_cached_prompt_tokens // after.block_size])
-        self.render()
+                self.hits = set(s.block_table[:s.num_cached_prompt_tokens // now.block_size])
+        self.render(now)
 
     def abort(self, request_id: Optional[str] = None) -> None:
         target = request_id or self.abort_choice.value
@@ -187,8 +188,9 @@ class GlassEngine:
         self.render()
 
     # ---------------------------------------------------------------- drawing
-    def render(self) -> None:
-        p = self.llm.engine.snapshot(detail=True)
+    def render(self, p: Optional[EngineSnapshot] = None) -> None:
+        """Redraw every view from `p`, the engine's state now (taken here if not given)."""
+        p = p or self.llm.engine.snapshot(detail=True)
         self.views["step"].value = step_html(p)
         self.views["pool"].value = pool_html(p)
         self.views["queues"].value = queues_html(p)

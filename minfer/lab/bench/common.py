@@ -124,6 +124,16 @@ def quiet():
         yield
 
 
+def add_update_docs_argument(parser, docs_page: Union[str, Path, None]) -> None:
+    """--update-docs PATH; with a known docs_page, --update-docs alone means that page (a parser or an argument group)."""
+    if docs_page is None:
+        parser.add_argument("--update-docs", default=None, metavar="PATH",
+                            help="replace this benchmark's marked section of the docs page at PATH")
+    else:
+        parser.add_argument("--update-docs", nargs="?", const=str(docs_page), default=None, metavar="PATH",
+                            help=f"replace this benchmark's marked section of {docs_page} (or PATH)")
+
+
 def publish_report(markdown: str, args, json_text: Callable[[], str], update_docs: Callable[[str], None],
                    plot: Callable[[str], None], plot_alt: str) -> int:
     """A benchmark script's last step, as its options ask: the plot (linked from the markdown), the notes

@@ -17,7 +17,7 @@ from typing import Optional, Sequence, Union
 import torch
 from tqdm.auto import tqdm
 
-from minfer.lab.bench.common import hf_checkpoint_for, load_transformers, machine_info
+from minfer.lab.bench.common import add_update_docs_argument, hf_checkpoint_for, load_transformers, machine_info
 from minfer.lab.bench.decode_speed import (make_prompts, matmul_floor, measure_memory_bandwidth,
                                            model_bandwidth_utilisation, time_minfer, weight_bytes)
 from minfer.lab.bench.generate_report import format_markdown, ratios, update_docs
@@ -129,12 +129,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser, docs_page: Union[str, P
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", dest="json_path", help="write the results here as JSON")
     parser.add_argument("--markdown", dest="markdown_path", help="write the markdown table here")
-    if docs_page is None:
-        parser.add_argument("--update-docs", default=None, metavar="PATH",
-                            help="replace the benchmark's marked section of the docs page at PATH with the table")
-    else:
-        parser.add_argument("--update-docs", nargs="?", const=str(docs_page), default=None, metavar="PATH",
-                            help=f"replace the benchmark's marked section of {docs_page} (or PATH) with the table")
+    add_update_docs_argument(parser, docs_page)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

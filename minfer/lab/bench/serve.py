@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
-from minfer.lab.bench.common import machine_info
+from minfer.lab.bench.common import add_update_docs_argument, machine_info
 from minfer.lab.bench.latency import (DEFAULT_TTFT_SLO_MS, MIN_SWEEP_PROMPTS, SLO_METRICS, find_knee, parse_goodput,
                                   past_knee, prompts_for_rate, summarize_results, sustainable_rate)
 from minfer.lab.bench.launch import free_port, launched_server, llama_cpp_server_command, minfer_server_command, served_models
@@ -233,12 +233,7 @@ def add_serve_bench_arguments(parser: argparse.ArgumentParser, docs_page: Union[
     o = parser.add_argument_group("output")
     o.add_argument("--json", dest="json_path", default=None, help="write the results here as JSON")
     o.add_argument("--plot", default=None, help="write the latency-throughput curve here (PNG)")
-    if docs_page is None:
-        o.add_argument("--update-docs", default=None, metavar="PATH",
-                       help="replace this benchmark's marked section of the docs page at PATH")
-    else:
-        o.add_argument("--update-docs", nargs="?", const=str(docs_page), default=None, metavar="PATH",
-                       help=f"replace this benchmark's marked section of {docs_page} (or PATH)")
+    add_update_docs_argument(o, docs_page)
     o.add_argument("--notes", default=None, metavar="FILE", help="markdown appended to the docs section")
     o.add_argument("--render", default=None, metavar="JSON", help="no run: rebuild table, plot and docs from a saved --json")
     o.add_argument("--disable-tqdm", action="store_true", help="no progress bars")
