@@ -3,7 +3,7 @@
     python benchmarks/bench_host.py [--baseline DIR] [--steps 40] [--rounds 2] [--update-docs]
 
 Runs `minfer.lab.bench.host` (the same harness as `python -m minfer bench host`: a tiny model, 1, 32
-and 256 decoding sequences, greedy and mixed sampling) in a child process on this checkout's
+and 256 decoding sequences, greedy and mixed sampling, and greedy streamed) in a child process on this checkout's
 minfer and, with --baseline, on the minfer of another checkout (e.g. `git worktree add DIR COMMIT`),
 alternating for --rounds rounds; each configuration keeps its best round. The harness file is this
 checkout's in both, so both are measured the same way.
@@ -26,7 +26,7 @@ from minfer.lab.bench.host import HostRow, table  # noqa: E402
 
 DOCS_PAGE = ROOT / "docs" / "benchmarks.md"
 START, END = "<!-- bench_host:start -->", "<!-- bench_host:end -->"
-HARNESS = ROOT / "minfer" / "bench" / "host.py"
+HARNESS = ROOT / "minfer" / "lab" / "bench" / "host.py"
 CHILD = """
 import importlib.util, json, sys, torch
 spec = importlib.util.spec_from_file_location("host_harness", sys.argv[1])

@@ -29,8 +29,10 @@ class IncrementalDetokenizer:
     """`text` is `tokenizer.decode(token_ids)` of every token appended so far, except that a
     character whose bytes have not all arrived yet is held back; `flush()` gives the full decode."""
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
-        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, every_token: bool = True) -> None:
+        """every_token False: only keep the ids, and decode them once, in `flush()` (`text` stays "" until then:
+        for a sequence whose text nobody reads before it ends)."""
+        self.tokenizer, self.skip_special_tokens, self.every_token = tokenizer, skip_special_tokens, every_token
         # A fast tokenizer whose text transformers returns unchanged is decoded by the `tokenizers`
         # library's own streaming decoder, in Rust: one call of about 1 µs per token, where two
         # calls through transformers take 14 (it converts and checks its arguments on every call)
@@ -53,6 +55,8 @@ class IncrementalDetokenizer:
     def append(self, token: int) -> str:
         """Add one token; returns the text it committed ("" while a character's bytes are incomplete)."""
         self.token_ids.append(token)
+        if not self.every_token:
+            return ""
         if self._stream is not None:
             new = self._stream.step(self._backend, token)
             if new is None:
@@ -72,6 +76,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """The full decode: `text` with whatever is held back (U+FFFD for bytes that never completed)."""
+        if not self.every_token:
+            return self._decode(self.token_ids)
         if self._stream is not None:  # what the stream holds back: decoded whole, as it rarely is
             return self.text if not self._held else self._decode(self.token_ids)
         window = self._decode(self.token_ids[self.prefix_offset:])

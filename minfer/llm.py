@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from typing import Iterator, Optional, Union
@@ -23,7 +24,7 @@ from minfer.layers.attention import AttentionFn, get_attention_fn
 from minfer.layers.sampler import signed_seed
 from minfer.models.loader import DEFAULT_MODEL, load_model
 from minfer.outputs import RequestMetrics, RequestOutput
-from minfer.sampling_params import SamplingParams
+from minfer.sampling_params import RequestOutputKind, SamplingParams
 from minfer.sequence import Request, Sequence
 
 PromptType = Union[str, dict]  # a string, {"prompt": str} or {"prompt_token_ids": [...]} (vLLM's TextPrompt, TokensPrompt)
@@ -139,7 +140,8 @@ class LLM:
                              "use_cache=True, or an LLM without speculative_model")
         if (batching == "static" or not use_cache) and self.tensor_parallel_size > 1:
             raise ValueError("tensor parallelism runs in the serving engine: use batching='continuous' with use_cache=True")
-        requests = self._make_requests(prompts, sampling_params)
+        # it returns the requests' last outputs: the engine reports each one once, at its end (as vLLM's LLM does)
+        requests = self._make_requests(prompts, sampling_params, output_kind=RequestOutputKind.FINAL_ONLY)
         bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm or len(requests) < 2)
         if batching == "static" or not use_cache:
             sequences = [seq for request in requests for seq in request.seqs]
@@ -216,7 +218,8 @@ class LLM:
         return [r.request_id for r in requests]
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the outputs of the requests that got a token in it (and, first, the latest
+        """Run one engine step; returns the outputs of the requests that got a token in it (of a request whose
+        output_kind is FINAL_ONLY: only the last, when it finishes), and, first, the latest
         output of each request that advanced in a generate() or stream() since the last step())."""
         if not self._held_outputs:
             return self.engine.step()
@@ -300,8 +303,10 @@ class LLM:
                              "and at least one must be left to generate")
         return text, ids
 
-    def _make_requests(self, prompts, sampling_params, refuse_beyond_context: bool = False) -> list[Request]:
-        """Check every prompt and parameter first, so one bad request fails before any work starts."""
+    def _make_requests(self, prompts, sampling_params, refuse_beyond_context: bool = False,
+                       output_kind: Optional[RequestOutputKind] = None) -> list[Request]:
+        """Check every prompt and parameter first, so one bad request fails before any work starts.
+        output_kind: given, it replaces the parameters' own (in copies: the caller's objects stay as they are)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -314,6 +319,9 @@ class LLM:
         for i, p in enumerate(params_list):
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params {i} must be a SamplingParams, got {type(p).__name__}")
+        if output_kind is not None:
+            copies = {id(p): dataclasses.replace(p, output_kind=output_kind) for p in params_list}
+            params_list = [copies[id(p)] for p in params_list]
         tokenized = [self._tokenize(p, i) for i, p in enumerate(prompts)]
         for i, ((_, ids), params) in enumerate(zip(tokenized, params_list)):
             if refuse_beyond_context and params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:

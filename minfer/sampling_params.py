@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import enum
 import math
 import warnings
 from dataclasses import dataclass
@@ -13,6 +14,17 @@ from minfer.logprobs import MAX_LOGPROBS
 # such temperatures to the same floor (with a warning) instead of failing.
 MIN_TEMPERATURE = 0.01
 MAX_N = 4096  # completions per prompt (a server may allow fewer: `minfer serve --max-n`)
+
+
+class RequestOutputKind(enum.Enum):
+    """When a request reports its output (vLLM's enum). CUMULATIVE: after every step that gave it a token,
+    everything so far. FINAL_ONLY: once, when it finishes; `LLM.generate` asks for this, and the engine then
+    builds no output and, without stop strings, decodes no text until the end (a few microseconds per
+    sequence per step). vLLM's DELTA (only what is new since the last output) is not implemented."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(kw_only=True)
@@ -65,7 +77,8 @@ class SamplingParams:
     log-probability and those of the `logprobs` most likely tokens (0: the sampled token only;
     None: nothing). prompt_logprobs: the same for every prompt token (see `minfer.logprobs`).
     structured_outputs: a shape the output must take (JSON schema, regex, choice, grammar; see
-    `StructuredOutputsParams`).
+    `StructuredOutputsParams`). output_kind: when the engine reports the request's output
+    (`RequestOutputKind`: after every step, or only once it finishes).
     """
 
     n: int = 1
@@ -83,6 +96,7 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     structured_outputs: Optional[StructuredOutputsParams] = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         def bad(what: str, value, allowed: str) -> ValueError:
@@ -127,6 +141,10 @@ class SamplingParams:
                 not isinstance(self.stop_token_ids, (list, tuple))
                 or any(not _has_type(t, int) or t < 0 for t in self.stop_token_ids)):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of token ids (integers >= 0)")
+        if self.output_kind not in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+            raise ValueError(f"output_kind must be RequestOutputKind.CUMULATIVE (every step, all so far) or "
+                             f"RequestOutputKind.FINAL_ONLY (once, at the end); got {self.output_kind!r}"
+                             + (" (minfer does not implement DELTA)" if self.output_kind is RequestOutputKind.DELTA else ""))
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise TypeError("structured_outputs must be a StructuredOutputsParams (e.g. StructuredOutputsParams(json=schema)), "
                             f"got {type(self.structured_outputs).__name__}")
@@ -135,6 +153,12 @@ class SamplingParams:
     def stop_strings(self) -> list[str]:
         """`stop` as a list, read when it is used: a `stop` changed after construction counts, as in vLLM."""
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def text_each_step(self) -> bool:
+        """Whether the text must be decoded as the tokens come: for outputs reported every step, and to find
+        stop strings. Otherwise it is decoded once, when the sequence ends."""
+        return self.output_kind is not RequestOutputKind.FINAL_ONLY or bool(self.stop)
 
     def clone(self) -> "SamplingParams":
         """A deep copy (vLLM's name for it)."""

@@ -96,7 +96,8 @@ class Sequence:
         now = time.perf_counter()
         if not self.output_ids:
             self.metrics.first_token_time = now
-            self.detokenizer = IncrementalDetokenizer(tokenizer, self.params.skip_special_tokens)
+            self.detokenizer = IncrementalDetokenizer(tokenizer, self.params.skip_special_tokens,
+                                                      self.params.text_each_step)
         self.output_ids.append(token)
         self.metrics.num_output_tokens = len(self.output_ids)
         p = self.params
@@ -140,7 +141,10 @@ class Sequence:
         return True
 
     def to_output(self) -> CompletionOutput:
-        return CompletionOutput(self.index, self.text, list(self.output_ids), self.finish_reason, self.stop_reason,
+        text = self.text
+        if not text and self.detokenizer is not None and not self.detokenizer.every_token:
+            text = self.detokenizer.flush()  # ended without a last token (aborted, failed): decoded now
+        return CompletionOutput(self.index, text, list(self.output_ids), self.finish_reason, self.stop_reason,
                                 None if self.logprobs is None else list(self.logprobs), self.cumulative_logprob)
 
 

@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerFast
 from minfer import SamplingParams
 from minfer.detokenizer import IncrementalDetokenizer
 from minfer.outputs import RequestMetrics
+from minfer.sampling_params import RequestOutputKind
 from minfer.sequence import Sequence
 
 TEXT = ("\n".join(list(pydoc_data.topics.topics.values())[:3])
@@ -194,3 +195,37 @@ def test_the_streaming_decoder_and_the_windows_agree_token_by_token(llm):
     for token in ids:
         assert stream.append(token) == windows.append(token)
         assert stream.flush() == windows.flush()
+
+
+@pytest.mark.parametrize("params", [
+    dict(max_tokens=100), dict(max_tokens=7), dict(max_tokens=100, include_stop_str_in_output=True),
+    dict(max_tokens=100, skip_special_tokens=False), dict(max_tokens=100, stop_token_ids=[0])])
+def test_final_only_text_is_decoded_once_at_the_end_and_equals_the_streamed_text(llm, params):
+    """A sequence whose output is reported only at its end (RequestOutputKind.FINAL_ONLY, as LLM.generate asks)
+    keeps just the ids while it grows, then ends with the same text, reason and ids as one decoded token by token."""
+    tokenizer = llm.tokenizer
+    ids = tokenizer.encode("ok 🤖 café <|im_end|> more") + [tokenizer.eos_token_id] + tokenizer.encode(" after")
+    streamed, final = sequence(tokenizer, **params), sequence(tokenizer, output_kind=RequestOutputKind.FINAL_ONLY, **params)
+    assert streamed.params.text_each_step and not final.params.text_each_step
+    feed(streamed, ids, tokenizer)
+    for i, token in enumerate(ids):
+        final.append(token, tokenizer, {tokenizer.eos_token_id})
+        if final.finished:
+            break
+        assert final.text == "" and final.detokenizer.token_ids == final.output_ids[:i + 1]  # no text made yet
+    assert final.finished and final.text == streamed.text != ""
+    assert (final.finish_reason, final.stop_reason, final.output_ids) == (
+        streamed.finish_reason, streamed.stop_reason, streamed.output_ids)
+
+
+def test_final_only_with_stop_strings_decodes_every_token_and_an_abort_decodes_what_it_has(llm):
+    tokenizer = llm.tokenizer
+    # stop strings are found in the text as it grows: such a sequence decodes every token whatever its output kind
+    assert SamplingParams(stop=["x"], output_kind=RequestOutputKind.FINAL_ONLY).text_each_step
+    ids = tokenizer.encode("The answer is forty-two. The end of it.")
+    seq = sequence(tokenizer, max_tokens=100, stop=["forty-two."], output_kind=RequestOutputKind.FINAL_ONLY)
+    feed(seq, ids, tokenizer)
+    assert seq.text == "The answer is "
+    seq = sequence(tokenizer, max_tokens=100, output_kind=RequestOutputKind.FINAL_ONLY)
+    feed(seq, ids[:4], tokenizer)  # not finished: an engine that aborts it reports what it has
+    assert seq.text == "" and seq.to_output().text == tokenizer.decode(ids[:4])

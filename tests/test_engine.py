@@ -6,6 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minfer import SamplingParams
+from minfer.sampling_params import RequestOutputKind
 
 
 @pytest.fixture
@@ -196,3 +197,29 @@ def test_aborting_unknown_or_finished_requests_is_harmless(tiny_llm):
     llm.abort_request(done.request_id)
     llm.abort_request("no-such-request")
     assert llm.engine.blocks.num_free_blocks == 64 and not llm.has_unfinished_requests()
+
+
+def test_final_only_requests_report_once_and_generate_asks_for_that(tiny_llm):
+    """RequestOutputKind.FINAL_ONLY: no output until the request finishes, then the same one a CUMULATIVE request
+    ends with; LLM.generate uses it on copies of the caller's parameters; DELTA is refused by name."""
+    llm = tiny_llm()
+    prompt = {"prompt_token_ids": [700 + i for i in range(12)]}
+    each = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    once = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    every_id, once_id = llm.add_request(prompt, each), llm.add_request(prompt, once)
+    reports = {every_id: [], once_id: []}
+    while llm.has_unfinished_requests():
+        for output in llm.step():
+            reports[output.request_id].append(output)
+    assert len(reports[every_id]) == 6 and [o.finished for o in reports[once_id]] == [True]
+    last, final = reports[every_id][-1].outputs[0], reports[once_id][0].outputs[0]
+    assert (final.text, final.token_ids, final.finish_reason) == (last.text, last.token_ids, last.finish_reason)
+    assert final.text and len(final.token_ids) == 6
+
+    (generated,) = llm.generate(prompt, each, use_tqdm=False)
+    assert each.output_kind is RequestOutputKind.CUMULATIVE  # the caller's object is left as it was
+    assert (generated.outputs[0].text, generated.outputs[0].token_ids) == (last.text, last.token_ids)
+    with pytest.raises(ValueError, match="output_kind.*does not implement DELTA"):
+        SamplingParams(output_kind=RequestOutputKind.DELTA)
+    with pytest.raises(ValueError, match="output_kind must be"):
+        SamplingParams(output_kind=2)

@@ -41,6 +41,7 @@ from minfer.logprobs import logprobs_of
 from minfer.models.llama import LlamaModel
 from minfer.models.moe import last_expert_load, moe_blocks
 from minfer.outputs import RequestOutput
+from minfer.sampling_params import RequestOutputKind
 from minfer.sequence import Request, Sequence
 from minfer.speculative import Proposer, SpecDecodeStats, make_proposer, verify
 
@@ -249,6 +250,8 @@ class Engine:
         for request_id, request in touched.items():
             if request.finished:
                 self.requests.pop(request_id, None)
+            elif request.seqs[0].params.output_kind is RequestOutputKind.FINAL_ONLY:
+                continue  # no output until it finishes: none is built
             outputs.append(request.to_output())
         return outputs
 

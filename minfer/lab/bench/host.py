@@ -51,7 +51,7 @@ class OpCounter(TorchDispatchMode):
 @dataclass
 class HostRow:
     batch: int
-    sampling: str  # "greedy", or "mixed": every other sequence sampled with temperature, top-k and top-p
+    sampling: str  # a SAMPLING key: "mixed" samples every other sequence with temperature, top-k and top-p
     step_ms: float  # median decode step, whole
     forward_ms: float  # of which the model's forward pass
     host_us_per_seq: float  # (step - forward) / batch
@@ -59,8 +59,17 @@ class HostRow:
     ops_outside_forward: int  # of which outside the model's forward pass
 
 
-SAMPLING = {"greedy": [SamplingParams(temperature=0.0)],
-            "mixed": [SamplingParams(temperature=0.8, top_p=0.95, top_k=50), SamplingParams(temperature=0.0)]}
+try:  # "greedy" and "mixed" report each request once, at its end, as LLM.generate asks
+    from minfer.sampling_params import RequestOutputKind
+
+    AS_GENERATE = {"output_kind": RequestOutputKind.FINAL_ONLY}
+except ImportError:  # a checkout from before output kinds (bench_host.py --baseline): generate reported every step
+    AS_GENERATE = {}
+# "greedy, streamed" reports an output after every step, as a stream does (LLM.stream, the server's streams)
+SAMPLING = {"greedy": [SamplingParams(temperature=0.0, **AS_GENERATE)],
+            "mixed": [SamplingParams(temperature=0.8, top_p=0.95, top_k=50, **AS_GENERATE),
+                      SamplingParams(temperature=0.0, **AS_GENERATE)],
+            "greedy, streamed": [SamplingParams(temperature=0.0)]}
 
 
 def tiny_llm(folder: str, max_num_seqs: int, device: str = "cpu") -> LLM:
