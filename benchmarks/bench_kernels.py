@@ -26,10 +26,11 @@ from typing import Optional
 import torch
 
 from minfer.lab.bench.decode_speed import measure_memory_bandwidth
-from minfer.lab.bench.kernels import kernel_bandwidth, quant_matmul_speed
+from minfer.lab.bench.kernels import LLAMA_8B_LINEARS, kernel_bandwidth, quant_matmul_speed
 
-# (N, K) of weight matrices: SmolLM2-135M's qkv, gate_up and down projections, and Llama-3.1-8B's down projection
-MATMUL_SHAPES = [(960, 576), (3072, 576), (576, 1536), (4096, 14336)]
+# (N, K) of weight matrices: SmolLM2-135M's qkv, gate_up and down projections, and Llama-3.1-8B's down projection;
+# or all of Llama-3.1-8B's linears
+MATMUL_SHAPES = {"default": [(960, 576), (3072, 576), (576, 1536), (4096, 14336)], "llama": LLAMA_8B_LINEARS}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -42,6 +43,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--peak-gbps", type=float, default=None, help="datasheet peak, GB/s (default: a measured copy)")
     parser.add_argument("--matmul-rows", type=int, nargs="*", default=[1, 16],
                         help="activation rows of the quantized matmuls (decode batch sizes); no value: skip them")
+    parser.add_argument("--matmul-shapes", choices=list(MATMUL_SHAPES), default="default",
+                        help="which weight matrices (N x K) the matmuls time")
+    parser.add_argument("--group-sizes", type=int, nargs="+", default=[64], choices=[32, 64, 128],
+                        help="int4 group sizes (each adds its int4 rows)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -60,13 +65,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"| {row['context_len']} | {kind} | {row['kv_mb']:.0f} | {row['kernel_ms']:.3f} | {row['reference_ms']:.3f} "
               f"| {row['kernel_gb_per_s']:.0f} | {row['bandwidth_fraction']:.0%} |")
     save(args.json, rows, [])  # kept even if the time limit stops the matmuls
-    matmuls = [r for m in args.matmul_rows for n, k in MATMUL_SHAPES for r in quant_matmul_speed(n, k, rows=m)]
+    matmuls = [{**r, "group_size": g} for m in args.matmul_rows for n, k in MATMUL_SHAPES[args.matmul_shapes]
+               for i, g in enumerate(args.group_sizes) for r in quant_matmul_speed(n, k, rows=m, group_size=g)
+               if i == 0 or r["format"] == "int4"]  # a later group size adds only its int4 rows
     if matmuls:
         print("\n| N x K | rows | format | K slices | us | weight GB/s | time / dense |")
         print("|---|---:|---|---|---:|---:|---:|")
         for r in matmuls:
             dense = next(d for d in matmuls if (d["n"], d["k"], d["rows"], d["format"]) == (r["n"], r["k"], r["rows"], "dense"))
-            print(f"| {r['n']} x {r['k']} | {r['rows']} | {r['format']} | {r['splits'] or '-'} | {r['us']:.1f} "
+            fmt = f"{r['format']} g{r['group_size']}" if r["format"] == "int4" else r["format"]
+            print(f"| {r['n']} x {r['k']} | {r['rows']} | {fmt} | {r['splits'] or '-'} | {r['us']:.1f} "
                   f"| {r['weight_gb_per_s']:.0f} | {r['us'] / dense['us']:.2f} |")
     save(args.json, rows, matmuls)
     return 0

@@ -6,12 +6,13 @@
 #
 #   benchmarks/gpu_check.sh OUT_DIR     # OUT_DIR/{env.txt, summary.md, gpu/*.json, gpu-cells/{summary.*, notebooks/*.ipynb,
 #                                       #   figures/*.png}, bench_generate.*, kernel_tests.log, bench_kernels.*,
-#                                       #   bench_compiled.*, and with PARTS=notebooks whole-notebooks/ as gpu-cells/}
+#                                       #   bench_speculative.*, bench_compiled.*, and with PARTS=notebooks
+#                                       #   whole-notebooks/ as gpu-cells/}
 #
 # Needs python with torch (CUDA build), transformers, triton, nbclient and ipykernel; minfer is used from this
 # checkout (no install). docs/gpu.md says how the real model's file and the missing packages reach a GPU machine
 # without network.
-# Parts (PARTS, default "gpu-cells bench kernels"; they run in this order):
+# Parts (PARTS, default "gpu-cells bench kernels speculative"; they run in this order):
 #   gpu-cells  in every chapter (NOTEBOOKS), only its GPU cells (those that call gpu_cell) and the cells they
 #              need (benchmarks/run_notebooks.py --cells gpu, MINFER_IMPL=solutions, NB_TIMEOUT seconds per
 #              notebook): executed copies, their figures and summary in OUT_DIR/gpu-cells/ (never over the course
@@ -19,14 +20,18 @@
 #              figures in OUT_DIR/gpu/, copied to docs/gpu/ when DEVICE is cuda;
 #   bench      the generation benchmark on random weights of the model's shapes (saved as a Hugging Face checkpoint
 #              with a stand-in tokenizer; speed depends on the shapes only);
-#   kernels    (CUDA) the Triton kernel tests without the interpreter, chapter 03's exercise tests with the worked
-#              kernels (the learner's kernel timed: OUT_DIR/ch03_exercise.xml), their bandwidth share (PEAK_GBPS, 4800);
+#   kernels    (CUDA) the Triton kernel tests without the interpreter and fp8 weights' W8A8 test, chapter 03's
+#              exercise tests with the worked kernels (the learner's kernel timed: OUT_DIR/ch03_exercise.xml), the
+#              paged kernel's bandwidth share (PEAK_GBPS, 4800) and the int8 / int4 (g64, g128) / fp8 weight matmuls
+#              against dense bfloat16 on Llama-3.1-8B's linears, 1 and 16 rows;
+#   speculative (CUDA) speculative decoding at batch 1 on the real model: n-gram lookup, the EAGLE head and the
+#              distilled draft (k = 3) against plain decoding, each with the engine's defaults (CUDA graphs);
 #   compiled   (CUDA; optional, not in the default PARTS) eager vs compiled decode steps;
 #   notebooks  (optional, not in the default PARTS: when there is time for it) every cell of every chapter,
 #              into OUT_DIR/whole-notebooks/ as gpu-cells does, with the time left (its GPU cells' figures
 #              replace gpu-cells' in OUT_DIR/gpu/).
-# gpu-cells leaves the time the later asked-for parts usually need (bench 60 s, on CUDA kernels 200 s and
-# compiled 60 s), and is skipped with under 20 s of its own; every other part's limit is cut to what is left of TOTAL_LIMIT; a part with under 20 s left is
+# gpu-cells leaves the time the later asked-for parts usually need (bench 60 s, on CUDA kernels 200 s,
+# speculative 90 s and compiled 60 s), and is skipped with under 20 s of its own; every other part's limit is cut to what is left of TOTAL_LIMIT; a part with under 20 s left is
 # skipped. OUT_DIR/summary.md gathers the notebook parts' tables, also when the script is stopped by a signal.
 # Overrides (the CPU rehearsal and its test use them): PYTHON, DEVICE (cuda; cpu: a rehearsal, whose GPU cells
 # measure on the CPU with small settings), PARTS, NOTEBOOKS (paths), NB_TIMEOUT (90), TOTAL_LIMIT (500),
@@ -40,7 +45,7 @@ SHAPES=${SHAPES:-smollm2-135m}
 TIME_LIMIT=${TIME_LIMIT:-120}
 TOTAL_LIMIT=${TOTAL_LIMIT:-500}
 NB_TIMEOUT=${NB_TIMEOUT:-90}
-PARTS=" ${PARTS:-gpu-cells bench kernels} "
+PARTS=" ${PARTS:-gpu-cells bench kernels speculative} "
 read -r -a EXTRA <<< "${BENCH_ARGS:-}"
 
 mkdir -p "$OUT"
@@ -112,6 +117,7 @@ notebooks() {  # notebooks NAME CELLS SHARE: run_notebooks.py into OUT/NAME with
 reserve=0  # the time the bench, kernels and compiled parts usually take, when they will run (after gpu-cells)
 [[ "$PARTS" == *" bench "* ]] && reserve=$(( reserve + 60 ))
 [[ "$DEVICE" == cuda* && "$PARTS" == *" kernels "* ]] && reserve=$(( reserve + 200 ))
+[[ "$DEVICE" == cuda* && "$PARTS" == *" speculative "* ]] && reserve=$(( reserve + 90 ))
 [[ "$DEVICE" == cuda* && "$PARTS" == *" compiled "* ]] && reserve=$(( reserve + 60 ))
 
 if part gpu-cells; then
@@ -132,14 +138,21 @@ if [[ "$DEVICE" == cuda* ]] && part kernels; then
     # CUDA graphs against eager ones, then the kernels' share of bandwidth.
     env -u TRITON_INTERPRET "${TIMEOUT[@]}" "$(limit 150)" "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_kernel_compile.py \
         tests/test_kernels.py tests/test_fused_moe.py tests/test_cuda_graphs.py::test_cuda_graphs_on_a_gpu \
+        tests/test_quant_fp8.py::test_w8a8_on_the_gpu_at_decode_row_counts_and_under_cuda_graphs \
         2>&1 | tee "$OUT/kernel_tests.log" || status=$?
     # chapter 03's exercise tests with the worked kernels: on CUDA one of them times the learner's kernel against
     # the gather reference (its speedup is a property in the JUnit file, as check("ch03") prints it)
     env -u TRITON_INTERPRET MINFER_IMPL=solutions "${TIMEOUT[@]}" "$(limit 60)" "$PYTHON" -m pytest -q -p no:cacheprovider \
         tests/exercises/test_ch03_paged_attention.py --junitxml "$OUT/ch03_exercise.xml" 2>&1 | tee -a "$OUT/kernel_tests.log" \
         || status=$?
-    "${TIMEOUT[@]}" "$(limit 60)" "$PYTHON" benchmarks/bench_kernels.py --peak-gbps "${PEAK_GBPS:-4800}" --json "$OUT/bench_kernels.json" \
+    "${TIMEOUT[@]}" "$(limit 90)" "$PYTHON" benchmarks/bench_kernels.py --peak-gbps "${PEAK_GBPS:-4800}" \
+        --context-lens 2048 32768 --matmul-shapes llama --group-sizes 64 128 --json "$OUT/bench_kernels.json" \
         2>&1 | tee "$OUT/bench_kernels.log" || status=$?
+fi
+if [[ "$DEVICE" == cuda* ]] && part speculative; then
+    "${TIMEOUT[@]}" "$(limit 90)" "$PYTHON" benchmarks/bench_speculative.py --device "$DEVICE" --dtype bfloat16 \
+        --clock wall --proposers "[ngram]" smollm2-135m-eagle smollm2-135m-draft --ks 3 --num-prompts 2 \
+        --max-tokens 64 --json "$OUT/bench_speculative.json" 2>&1 | tee "$OUT/bench_speculative.log" || status=$?
 fi
 if [[ "$DEVICE" == cuda* ]] && part compiled; then
     # The engine's decode step eager vs enforce_eager=False (on CUDA: replayed as CUDA graphs), random weights.

@@ -19,9 +19,10 @@ from typing import Optional
 
 import torch
 
+from minfer.lab.bench.kernels import LLAMA_8B_LINEARS
+
 SHAPES = {"default": [(3072, 576), (576, 1536), (4096, 14336)],  # SmolLM2's gate_up and down, Llama-3.1-8B's down
-          # Llama-3.1-8B's linears (N x K): q, k and v together, o, gate and up together, down
-          "llama": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]}
+          "llama": LLAMA_8B_LINEARS}
 BLOCK_N = (16, 32, 64, 128)
 BLOCK_K = {"int8": (32, 64, 128, 256), "int4": (16, 32, 64, 128)}  # int4's step must divide the group size
 WARPS = (None, 2, 4)  # int4 only: fewer warps leave each thread more weights per step (docs/kernels.md)

@@ -66,3 +66,32 @@ def test_the_engine_option_and_a_checkpoint_round_trip(tiny_dir, tmp_path):
     assert loaded.generate({"prompt_token_ids": [5, 6, 7, 8]}, greedy, use_tqdm=False)[0].outputs[0].token_ids == tokens
     with pytest.raises(ValueError, match="group size|group_size"):
         LLM(tiny_dir, quantization="fp8", quantization_group_size=64, device="cpu")
+
+
+FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.skipif(not FP8_GPU, reason="W8A8 through torch._scaled_mm needs a CUDA GPU from sm_89 on")
+def test_w8a8_on_the_gpu_at_decode_row_counts_and_under_cuda_graphs(tiny_dir):
+    """On the GPU (benchmarks/gpu_check.sh): _scaled_mm at the row counts decode steps give it (one row, odd
+    counts, a CUDA-graph bucket's padding), then the engine's graphed steps against eager ones."""
+    from minfer import LLM, SamplingParams
+
+    gen = torch.Generator().manual_seed(2)
+    linear = nn.Linear(576, 1536, bias=False).to("cuda", torch.bfloat16)
+    layer = Fp8Linear.from_linear(linear, "torch")
+    for rows in (1, 3, 16, 17):
+        x = torch.randn(rows, 576, generator=gen).to("cuda", torch.bfloat16)
+        exact = nn.functional.linear(x.float(), layer.dequantize())
+        assert ((layer(x).float() - exact).norm() / exact.norm()).item() < 0.05, rows
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8]} for i in range(5)]
+    runs = []
+    for eager in (True, None):
+        llm = LLM(tiny_dir, quantization="fp8", dtype="bfloat16", device="cuda", enforce_eager=eager)
+        with torch.no_grad():
+            llm.model.norm.weight.mul_(30)  # a clear argmax: a graph's padded rows may round a near tie differently
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)])
+    graphs = llm.engine.runner.decode_step
+    assert graphs is not None and graphs.failed is None and graphs.replays, graphs
+    assert runs[0] == runs[1]

@@ -107,6 +107,10 @@ def kernel_bandwidth(num_seqs: int = 32, context_len: int = 4096, num_heads: int
     return row
 
 
+# Llama-3.1-8B's linears (N x K): q, k and v together, o, gate and up together, down
+LLAMA_8B_LINEARS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
 def quant_operands(n: int, k: int, rows: int, dtype: torch.dtype = torch.bfloat16, group_size: int = 64,
                    device: str = "cuda") -> tuple:
     """Random operands for x [rows, K] @ W.T, W [N, K]: (x, W in dtype, (q8, s8) int8, (packed, s4, m4) int4)."""
@@ -121,11 +125,15 @@ def quant_operands(n: int, k: int, rows: int, dtype: torch.dtype = torch.bfloat1
 def quant_matmul_speed(n: int, k: int, rows: int = 1, dtype: torch.dtype = torch.bfloat16, group_size: int = 64,
                        device: str = "cuda") -> list[dict]:
     """Time x [rows, K] @ W.T for W [N, K] on CUDA: dense (``F.linear``), the int8 and int4 kernels unsplit
-    (the engine's default tiles) and with the K slices ``num_k_splits`` chooses; the
+    (the engine's default tiles) and with the K slices ``num_k_splits`` chooses, and fp8 weights (W8A8 through
+    ``torch._scaled_mm``, the activations quantized on the fly) on a GPU from sm_89 on; the
     weight bytes each reads per second. At decode sizes the unsplit grid leaves most SMs idle: the split
     rows show whether cutting K pays for its two extra launches."""
     import triton.testing
 
+    from minfer.formats.fp8 import quantize_fp8_rows
+    from minfer.formats.hardware import FP8_CAPABILITY, cuda_capability
+    from minfer.quant.fp8_linear import Fp8Linear
     from minfer.kernels.quant_matmul import (INT4_BLOCK_N, INT8_BLOCK_N, int4_block_k, int4_matmul, int8_block_k,
                                              int8_matmul, k_slices)
 
@@ -137,10 +145,14 @@ def quant_matmul_speed(n: int, k: int, rows: int = 1, dtype: torch.dtype = torch
         cases.append(("int8", splits, lambda s=splits: int8_matmul(x, q8, s8, num_splits=s), q8.numel() + 4 * n))
         cases.append(("int4", splits, lambda s=splits: int4_matmul(x, packed, s4, m4, num_splits=s),
                       packed.numel() + 2 * s4.numel() * s4.element_size()))
+    capability = cuda_capability(x.device)
+    if capability is not None and capability >= FP8_CAPABILITY:  # e4m3 weights, W8A8 through torch._scaled_mm
+        fp8 = Fp8Linear(*quantize_fp8_rows(dense.float()), None, backend="torch")
+        cases.append(("fp8", None, lambda: fp8(x), fp8.qweight.numel() + 4 * n))
     results = []
     for fmt, splits, run, nbytes in cases:
         us = triton.testing.do_bench(run) * 1e3
         results.append({"n": n, "k": k, "rows": rows, "dtype": str(dtype).removeprefix("torch."), "format": fmt,
-                        "splits": f"auto: {auto[fmt]}" if fmt != "dense" and splits is None else splits, "us": us,
+                        "splits": f"auto: {auto[fmt]}" if fmt in auto and splits is None else splits, "us": us,
                         "weight_gb_per_s": nbytes / (us / 1e6) / 1e9})
     return results
