@@ -50,7 +50,7 @@ def main(argv=None) -> int:
                         help="replace the quantization section of docs/benchmarks.md (or PATH)")
     parser.add_argument("--render", metavar="JSON", help="only rebuild the table from a saved JSON")
     parser.add_argument("--docs-section", default="bench_quant", help="the marked section of the docs page to "
-                        "replace (bench_quant_4bit: issue 12's run of the 4-bit targets)")
+                        "replace")
     parser.add_argument("--plot", metavar="PNG", help="draw perplexity increase against weight bytes, every row a point")
     parser.add_argument("--merge", metavar="JSON", help="measure only --configs, put their rows into this saved "
                         "JSON's (same preset), and write the result there and to the docs")

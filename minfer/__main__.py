@@ -2,7 +2,7 @@
 
     python -m minfer demo [--prompt TEXT] [--max-tokens N]   chat one prompt, stream the answer, print TTFT/TPOT
     python -m minfer serve [MODEL] [--port 8000] [engine args]   an OpenAI-compatible server (minfer/serving)
-    python -m minfer quantize MODEL --method gptq|awq|int8|int4|nf4|fp8 --out DIR   a quantized checkpoint, loaded by LLM(DIR)
+    python -m minfer quantize MODEL --method gptq|awq|int8|int4|nf4|fp8|gptq_fp8 --out DIR   a quantized checkpoint, loaded by LLM(DIR)
     python -m minfer bench [--quick] [--json PATH] [--update-docs PATH] ...   minfer vs transformers vs the matmul floor
     python -m minfer bench serve [--base-url URL] [--request-rate R] ...   load-test an OpenAI-compatible server
     python -m minfer bench soak [--requests N] [--compare]   mixed requests for a long time: does memory stay flat?

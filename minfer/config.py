@@ -20,7 +20,7 @@ DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bf
           "float16": torch.float16, "half": torch.float16}
 # awq, gptq: int4 with activation-aware scales (minfer.quant.awq), with GPTQ's codes (minfer.quant.gptq)
 # nf4: QLoRA's 4-bit NormalFloat, an absmax per block of quantization_group_size inputs (minfer.formats.nf4)
-QUANTIZATION_METHODS = ("int8", "int4", "awq", "gptq", "nf4", "fp8")
+QUANTIZATION_METHODS = ("int8", "int4", "awq", "gptq", "nf4", "fp8", "gptq_fp8")
 INT4_METHODS = ("int4", "awq", "gptq")
 GROUPED_METHODS = INT4_METHODS + ("nf4",)  # the methods quantization_group_size applies to
 MAX_SPECULATIVE_TOKENS = 16
@@ -129,7 +129,7 @@ class EngineConfig:
     ('auto' | 'float32' | 'bfloat16' | 'float16'; auto: bfloat16 on a GPU from sm_80 on, float16 on an older
     one such as a T4, float32 on CPU; see `minfer.formats.hardware`), device
     ('auto' | 'cpu' | 'cuda'), seed (for requests that bring no seed), max_model_len (the context
-    window; default the model's). quantization None | 'int8' | 'int4' | 'awq' | 'gptq' | 'nf4' | 'fp8' and
+    window; default the model's). quantization None | 'int8' | 'int4' | 'awq' | 'gptq' | 'nf4' | 'fp8' | 'gptq_fp8' and
     quantization_group_size (int4 and nf4 only: 32, 64 or 128; see `minfer.quant.linear`).
 
     KV cache: block_size (tokens per block), kv_cache_dtype ('auto' = the model's dtype, 'int8', or

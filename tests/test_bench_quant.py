@@ -66,6 +66,7 @@ def test_quick_run_on_a_tiny_model(tiny_dir, monkeypatch, tmp_path):
                            "int4 g64 + int8 KV": expected_bytes["int4 g64"], "gptq g64": expected_bytes["int4 g64"],
                            "nf4 b64": LINEAR_PARAMS // 2 + 2 * LINEAR_PARAMS // 64,  # a float16 absmax per 64
                            "fp8 weights": LINEAR_PARAMS + 4 * LINEAR_ROWS})  # one byte a weight, a float32 scale a row
+    expected_bytes["gptq fp8"] = expected_bytes["fp8 weights"]  # the same format, other values
     assert {name: r["linear_bytes"] for name, r in rows.items()} == expected_bytes
     assert rows["int8 weights"]["linear_bytes_ratio_vs_bf16"] == pytest.approx(2 * LINEAR_PARAMS / expected_bytes["int8 weights"])
     # KV per token: K and V x 2 layers x 2 KV heads x (16 float32 values, 16 int8 values and a float32 scale,

@@ -86,7 +86,7 @@ def int4_checkpoint(tiny_dir, tmp_path_factory) -> str:
     ({"quant_method": "gptq"}, "only its own quantized layout"),
     ({"group_size": 48}, r"group_size must be one of \[32, 64\]"),
     ({"bits": 8}, "must read"),
-    ({"method": "fp4"}, r"method must be one of \('int8', 'int4', 'awq', 'gptq', 'nf4', 'fp8'\)"),
+    ({"method": "fp4"}, r"method must be one of \('int8', 'int4', 'awq', 'gptq', 'nf4', 'fp8', 'gptq_fp8'\)"),
     ({"method": "nf4"}, r"'nf4' quantization_config must read .*'sym': True"),
     ({"method": "int8"}, r"'int8' quantization_config must read .*'group_size': None"),
     ({"extra": 1}, "exactly the keys"),

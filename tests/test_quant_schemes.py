@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_an_unknown_name_lists_the_known_ones():
     with pytest.raises(ValueError, match=r"unknown quantization method 'fp4': use one of \('int8', 'int4', 'awq', "
-                                         r"'gptq', 'nf4', 'fp8'\)"):
+                                         r"'gptq', 'nf4', 'fp8', 'gptq_fp8'\)"):
         get_scheme("fp4")
     with pytest.raises(ValueError, match="unknown quantization"):
         quantize_model(tiny_llama(), "int3")

@@ -29,7 +29,12 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.float()
     amax = x.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax == 0, 1.0, amax / FP8_MAX)
-    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    return quantize_fp8_with(x, scale), scale
+
+
+def quantize_fp8_with(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale rounded to e4m3, what lies beyond ±448 clamped: the codes of x on a given scale."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def dequantize_fp8_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

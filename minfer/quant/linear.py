@@ -61,8 +61,8 @@ def quantize_model(model: nn.Module, method: str, group_size: Optional[int] = No
     output channel, `minfer.quant.fp8_linear`), "awq"
     (int4 after folding activation-aware scales into the float model, `minfer.quant.awq`) or "gptq" (int4 codes chosen
     by GPTQ, `minfer.quant.gptq`; with gptq_after_awq, on the matrices after AWQ's scales; with
-    gptq_desc_act, in activation order on static groups). "awq"
-    and "gptq" need calibration_token_ids, e.g. `minfer.texts.calibration_token_ids(tokenizer)`.
+    gptq_desc_act, in activation order on static groups) or "gptq_fp8" (fp8 whose values GPTQ chooses). "awq",
+    "gptq" and "gptq_fp8" need calibration_token_ids, e.g. `minfer.texts.calibration_token_ids(tokenizer)`.
     head: "int8" quantizes lm_head too, None keeps it.
     """
     if method is None:

@@ -156,6 +156,8 @@ class Fp8Scheme(QuantScheme):
     name = "fp8"
 
     def quantize(self, linear, group_size, backend, codes=None):
+        if codes is not None:  # chosen by `prepare` (GPTQ)
+            return Fp8Linear(*codes, linear.bias, backend)
         return Fp8Linear.from_linear(linear, backend)
 
     def layout(self, out_features, in_features, group_size):
@@ -165,9 +167,20 @@ class Fp8Scheme(QuantScheme):
         return Fp8Linear(tensors["qweight"], tensors["scale"], bias, backend)
 
 
+class GptqFp8Scheme(Fp8Scheme):
+    """The fp8 format with GPTQ's choice of values (`minfer.quant.gptq`, `gptq_quantize_fp8`): the same layers and
+    checkpoints as "fp8", whose rows are rounded to nearest."""
+
+    name, calibrated = "gptq_fp8", True
+
+    def prepare(self, model, group_size, calibration_token_ids, gptq_desc_act: bool = GPTQ_DESC_ACT, **options):
+        return Prepared(apply_gptq(model, calibration_token_ids, None, desc_act=gptq_desc_act, fp8=True),
+                        desc_act=gptq_desc_act)
+
+
 # The one list of schemes, by name, in the order messages list them.
 SCHEMES: dict[str, QuantScheme] = {s.name: s for s in (QuantScheme(), Int4Scheme(), AwqScheme(), GptqScheme(),
-                                                       Nf4Scheme(), Fp8Scheme())}
+                                                       Nf4Scheme(), Fp8Scheme(), GptqFp8Scheme())}
 HEAD_SCHEME = SCHEMES["int8"]  # the output head of every scheme (head="int8"): its errors land on the logits
 CALIBRATED_METHODS = tuple(name for name, s in SCHEMES.items() if s.calibrated)
 

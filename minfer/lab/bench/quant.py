@@ -55,16 +55,17 @@ CONFIGS = {
     "gptq g64": {"quantization": "gptq", "quantization_group_size": 64},
     "nf4 b64": {"quantization": "nf4", "quantization_group_size": 64},  # QLoRA's NormalFloat, absmax per 64
     "fp8 weights": {"quantization": "fp8"},  # e4m3 per output channel: `minfer.quant.fp8_linear`
+    "gptq fp8": {"quantization": "gptq_fp8"},  # the same e4m3 rows, values chosen by GPTQ: `minfer.quant.gptq`
     # plain int4 g64 of weights fine-tuned with fake quantization (`minfer.lab.qat`): the checkpoint
     # benchmarks/train_qat.py writes, of smollm2-135m only
     "qat g64": {"model": str(default_checkpoint_dir())},
     "int8 weights + int8 KV": {"quantization": "int8", "kv_cache_dtype": "int8"},
     "int4 g64 + int8 KV": {"quantization": "int4", "quantization_group_size": 64, "kv_cache_dtype": "int8"},
 }
-HONEST = ("none", "int8 weights", "fp8 weights", "int4 g64", "awq g64", "gptq g64", "int4 g32", "awq g32")  # measured again on the scrambled model
+HONEST = ("none", "int8 weights", "fp8 weights", "gptq fp8", "int4 g64", "awq g64", "gptq g64", "int4 g32", "awq g32")  # measured again on the scrambled model
 
 # the benchmark's targets: perplexity increase at most, bytes ratio to bfloat16 at least, speed vs llama.cpp
-TARGETS = {"ppl": {"int8 weights": 0.01, "fp8 weights": 0.01, "int4 g64": 0.05, "awq g64": 0.05, "gptq g64": 0.05, "int8 KV": 0.005,
+TARGETS = {"ppl": {"int8 weights": 0.01, "fp8 weights": 0.01, "gptq fp8": 0.01, "int4 g64": 0.05, "awq g64": 0.05, "gptq g64": 0.05, "int8 KV": 0.005,
                    "fp8 KV": 0.01},
            "scrambled_ppl": {"gptq g64": 0.08},
            "recovered": {"qat g64": ("int4 g64", 0.5)},
