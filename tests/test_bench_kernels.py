@@ -23,6 +23,17 @@ def test_quant_matmul_rows_and_bytes(monkeypatch):
     assert all(r["us"] == pytest.approx(500) for r in rows)
 
 
+def test_fp8_weights_join_the_matmul_rows_where_the_gpu_multiplies_in_fp8(monkeypatch):
+    """From sm_89 on, an fp8 row (W8A8 through torch._scaled_mm, here its CPU version) follows the others."""
+    import minfer.formats.hardware as hardware
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn: (fn(), 0.5)[1])
+    monkeypatch.setattr(hardware, "cuda_capability", lambda device: (9, 0))
+    rows = quant_matmul_speed(96, 128, rows=3, dtype=torch.bfloat16, group_size=64, device="cpu")
+    assert [r["format"] for r in rows][-1] == "fp8" and rows[-1]["splits"] is None
+    assert rows[-1]["weight_gb_per_s"] == pytest.approx((96 * 128 + 4 * 96) * 1e-9 / 0.5e-3)  # e4m3 + a float32 scale a row
+
+
 @pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
 def test_sdpa_over_the_contiguous_copy_equals_the_paged_reference(int8):
     gen = torch.Generator().manual_seed(0)

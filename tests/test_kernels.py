@@ -289,7 +289,7 @@ def test_bad_inputs_are_named():
 @pytest.mark.skipif(DEVICE == "cuda", reason="on CUDA the benchmark really runs")
 def test_benchmark_says_it_needs_cuda(capsys, monkeypatch):
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kernels.py"
-    monkeypatch.setattr(sys, "argv", [str(script)])
+    monkeypatch.setattr(sys, "argv", [str(script), "--matmul-shapes", "llama", "--group-sizes", "64", "128"])
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_path(str(script), run_name="__main__")
     assert exit_info.value.code == 0
