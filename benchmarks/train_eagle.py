@@ -1,6 +1,6 @@
 """Train the shipped EAGLE head `smollm2-135m-eagle` by distillation from SmolLM2-135M (the target).
 
-    OMP_NUM_THREADS=1 python benchmarks/train_eagle.py             # writes minfer/drafts/smollm2-135m-eagle
+    OMP_NUM_THREADS=2 python benchmarks/train_eagle.py --threads 2   # writes minfer/drafts/smollm2-135m-eagle
     OMP_NUM_THREADS=1 python benchmarks/train_eagle.py --quick --out /tmp/eagle   # a smoke run
 
 Steps, all on the CPU with fixed seeds, nothing downloaded:
@@ -78,22 +78,23 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(EAGLE_DIR))
     parser.add_argument("--head-tokens", type=int, default=8192, help="K: the head covers the K most frequent tokens")
-    parser.add_argument("--chat-prompts", type=int, default=320)
+    parser.add_argument("--chat-prompts", type=int, default=960)
     parser.add_argument("--answer-tokens", type=int, default=128)
-    parser.add_argument("--pydoc-tokens", type=int, default=8192)
+    parser.add_argument("--pydoc-tokens", type=int, default=100000)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--noise", type=float, default=0.1, help="uniform noise on input features, x a typical channel's size")
     parser.add_argument("--kl-weight", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (one: steady timings on a shared machine)")
     parser.add_argument("--quick", action="store_true", help="a tiny run to check the pipeline")
     args = parser.parse_args(argv)
     if args.quick:
         args.chat_prompts, args.answer_tokens, args.pydoc_tokens, args.steps = 16, 32, 2048, 4
     torch.manual_seed(args.seed)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     start = time.perf_counter()
 
     llm = LLM("smollm2-135m", dtype="float32", device="cpu", seed=args.seed)
