@@ -46,7 +46,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--matmul-shapes", choices=list(MATMUL_SHAPES), default="default",
                         help="which weight matrices (N x K) the matmuls time")
     parser.add_argument("--group-sizes", type=int, nargs="+", default=[64], choices=[32, 64, 128],
-                        help="int4 group sizes (each adds its int4 rows)")
+                        help="int4 group sizes (each has int4 rows of its own)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -65,15 +65,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"| {row['context_len']} | {kind} | {row['kv_mb']:.0f} | {row['kernel_ms']:.3f} | {row['reference_ms']:.3f} "
               f"| {row['kernel_gb_per_s']:.0f} | {row['bandwidth_fraction']:.0%} |")
     save(args.json, rows, [])  # kept even if the time limit stops the matmuls
-    matmuls = [{**r, "group_size": g} for m in args.matmul_rows for n, k in MATMUL_SHAPES[args.matmul_shapes]
-               for i, g in enumerate(args.group_sizes) for r in quant_matmul_speed(n, k, rows=m, group_size=g)
-               if i == 0 or r["format"] == "int4"]  # a later group size adds only its int4 rows
+    matmuls = [r for m in args.matmul_rows for n, k in MATMUL_SHAPES[args.matmul_shapes]
+               for r in quant_matmul_speed(n, k, rows=m, group_sizes=args.group_sizes)]
     if matmuls:
         print("\n| N x K | rows | format | K slices | us | weight GB/s | time / dense |")
         print("|---|---:|---|---|---:|---:|---:|")
         for r in matmuls:
             dense = next(d for d in matmuls if (d["n"], d["k"], d["rows"], d["format"]) == (r["n"], r["k"], r["rows"], "dense"))
-            fmt = f"{r['format']} g{r['group_size']}" if r["format"] == "int4" else r["format"]
+            fmt = f"{r['format']} g{r['group_size']}" if r["group_size"] else r["format"]
             print(f"| {r['n']} x {r['k']} | {r['rows']} | {fmt} | {r['splits'] or '-'} | {r['us']:.1f} "
                   f"| {r['weight_gb_per_s']:.0f} | {r['us'] / dense['us']:.2f} |")
     save(args.json, rows, matmuls)

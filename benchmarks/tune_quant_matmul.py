@@ -39,15 +39,13 @@ def time_us(run) -> float:
 def tune(n: int, k: int, rows: int, group_sizes: tuple = (64,), device: str = "cuda") -> list[dict]:
     """Every tile choice of int8 and of int4 in each group size, timed, with dense ``F.linear`` beside them."""
     from minfer.lab.bench.kernels import quant_operands
-    from minfer.formats.weights import pack_int4, quantize_int4_groupwise
     from minfer.kernels.quant_matmul import int4_matmul, int8_matmul
 
-    x, dense, (q8, s8), (packed, s4, m4) = quant_operands(n, k, rows, torch.bfloat16, group_sizes[0], device)
+    x, dense, (q8, s8), int4 = quant_operands(n, k, rows, torch.bfloat16, group_sizes, device)
     calls = {"int8": lambda **tiles: int8_matmul(x, q8, s8, block_m=16, **tiles)}
-    for g in group_sizes:  # the same weights, quantized in groups of g
-        packed, s4, m4 = (packed, s4, m4) if g == group_sizes[0] else (
-            lambda q, s, m: (pack_int4(q), s, m))(*quantize_int4_groupwise(dense.float(), g))
+    for g, (packed, s4, m4) in int4.items():  # the same weights, quantized in groups of g
         calls[f"int4 g{g}"] = lambda p=packed, s=s4, m=m4, **tiles: int4_matmul(x, p, s, m, block_m=16, **tiles)
+
     want = {fmt: call(block_n=64, block_k=32, num_splits=1).float() for fmt, call in calls.items()}
     out = [{"n": n, "k": k, "rows": rows, "format": "dense", "us": time_us(lambda: torch.nn.functional.linear(x, dense))}]
     for fmt, call in calls.items():

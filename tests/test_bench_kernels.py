@@ -12,7 +12,7 @@ from minfer.kernels.paged_decode_attention import paged_decode_attention_referen
 
 def test_quant_matmul_rows_and_bytes(monkeypatch):
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn: (fn(), 0.5)[1])  # every call "takes" 0.5 ms
-    rows = quant_matmul_speed(96, 128, rows=1, dtype=torch.float32, group_size=64, device="cpu")
+    rows = quant_matmul_speed(96, 128, rows=1, dtype=torch.float32, group_sizes=(64,), device="cpu")
     assert [(r["format"], r["splits"]) for r in rows] == [("dense", None), ("int8", 1), ("int4", 1),
                                                           ("int8", "auto: 1"), ("int4", "auto: 1")]
     gb = {(r["format"], r["splits"]): r["weight_gb_per_s"] for r in rows}
@@ -29,7 +29,7 @@ def test_fp8_weights_join_the_matmul_rows_where_the_gpu_multiplies_in_fp8(monkey
 
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn: (fn(), 0.5)[1])
     monkeypatch.setattr(hardware, "cuda_capability", lambda device: (9, 0))
-    rows = quant_matmul_speed(96, 128, rows=3, dtype=torch.bfloat16, group_size=64, device="cpu")
+    rows = quant_matmul_speed(96, 128, rows=3, dtype=torch.bfloat16, group_sizes=(64,), device="cpu")
     assert [r["format"] for r in rows][-1] == "fp8" and rows[-1]["splits"] is None
     assert rows[-1]["weight_gb_per_s"] == pytest.approx((96 * 128 + 4 * 96) * 1e-9 / 0.5e-3)  # e4m3 + a float32 scale a row
 

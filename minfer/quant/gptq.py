@@ -130,10 +130,11 @@ def inverse_hessian_cholesky(hessian: torch.Tensor, damping: float = DAMPING) ->
 
 
 def gptq_columns(w: torch.Tensor, u: torch.Tensor, round_column: Callable, block_size: int = BLOCK_SIZE) -> None:
-    """The column loop, whatever the grid: w [out, in] (columns in quantization order) is overwritten with its
-    rounded values, each column's error spread over the columns after it (u: `inverse_hessian_cholesky` of
-    the Hessian in the same order). round_column(column, values, current) returns the rounded column;
-    current(columns) gives any columns as the updates so far have left them (a grid fitted on the way needs it)."""
+    """The column loop, whatever the grid: the columns of w [out, in] (in quantization order, updated in place)
+    are rounded in turn, each one's error spread over the columns after it (u: `inverse_hessian_cholesky` of
+    the Hessian in the same order). round_column(column, values, current) rounds one column, keeps its codes and
+    returns the values they stand for; current(columns) gives any columns as the updates so far have left them
+    (a grid fitted on the way needs it)."""
     in_features = w.shape[1]
     for start in range(0, in_features, block_size):
         end = min(start + block_size, in_features)
@@ -151,7 +152,6 @@ def gptq_columns(w: torch.Tensor, u: torch.Tensor, round_column: Callable, block
             rounded = round_column(column, block[:, i], current)
             errors[:, i] = (block[:, i] - rounded) / u[column, column]
             block[:, i:] -= errors[:, i:i + 1] * u[column, start + i:end][None]
-            block[:, i] = rounded
         w[:, end:] -= errors @ u[start:end, end:]  # the block's errors, all at once, onto the later columns
 
 
@@ -230,15 +230,17 @@ def gptq_quantize_fp8(w: torch.Tensor, hessian: torch.Tensor, block_size: int = 
     chooses: the same column loop on e4m3's grid. An update that carries a weight past ±448 x scale is clamped."""
     _check_hessian(w, hessian)
     w, u, order, _ = _prepare(w, hessian, damping, desc_act)
-    _, scale = quantize_fp8_rows(w)  # a row's largest magnitude, whatever the column order
+    q, scale = quantize_fp8_rows(w)  # the scales: a row's largest magnitude, whatever the column order
 
     def round_column(column: int, values: torch.Tensor, current: Callable) -> torch.Tensor:
-        return dequantize_fp8_rows(quantize_fp8_with(values[:, None], scale), scale, values.dtype)[:, 0]
+        codes = quantize_fp8_with(values[:, None], scale)
+        q[:, column] = codes[:, 0]
+        return dequantize_fp8_rows(codes, scale, values.dtype)[:, 0]
 
     gptq_columns(w, u, round_column, block_size)
-    natural = torch.empty_like(w)
-    natural[:, order] = w  # every column now holds its rounded values
-    return quantize_fp8_with(natural, scale), scale
+    q_natural = torch.empty_like(q)
+    q_natural[:, order] = q
+    return q_natural, scale
 
 
 @torch.no_grad()

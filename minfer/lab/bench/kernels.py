@@ -111,24 +111,28 @@ def kernel_bandwidth(num_seqs: int = 32, context_len: int = 4096, num_heads: int
 LLAMA_8B_LINEARS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
 
-def quant_operands(n: int, k: int, rows: int, dtype: torch.dtype = torch.bfloat16, group_size: int = 64,
+def quant_operands(n: int, k: int, rows: int, dtype: torch.dtype = torch.bfloat16, group_sizes: Sequence[int] = (64,),
                    device: str = "cuda") -> tuple:
-    """Random operands for x [rows, K] @ W.T, W [N, K]: (x, W in dtype, (q8, s8) int8, (packed, s4, m4) int4)."""
+    """Random operands for x [rows, K] @ W.T, W [N, K]: (x, W in dtype, (q8, s8) int8,
+    {group size: (packed, s4, m4)} int4), every format quantized from the same float weights."""
     from minfer.formats.weights import pack_int4, quantize_int4_groupwise, quantize_int8_per_channel
 
     w = torch.randn(n, k, device=device) * 0.02
     x = torch.randn(rows, k, device=device, dtype=dtype)
-    q4, s4, m4 = quantize_int4_groupwise(w, group_size)
-    return x, w.to(dtype), quantize_int8_per_channel(w), (pack_int4(q4), s4, m4)
+    int4 = {}
+    for g in group_sizes:
+        q4, s4, m4 = quantize_int4_groupwise(w, g)
+        int4[g] = (pack_int4(q4), s4, m4)
+    return x, w.to(dtype), quantize_int8_per_channel(w), int4
 
 
-def quant_matmul_speed(n: int, k: int, rows: int = 1, dtype: torch.dtype = torch.bfloat16, group_size: int = 64,
-                       device: str = "cuda") -> list[dict]:
-    """Time x [rows, K] @ W.T for W [N, K] on CUDA: dense (``F.linear``), the int8 and int4 kernels unsplit
-    (the engine's default tiles) and with the K slices ``num_k_splits`` chooses, and fp8 weights (W8A8 through
-    ``torch._scaled_mm``, the activations quantized on the fly) on a GPU from sm_89 on; the
-    weight bytes each reads per second. At decode sizes the unsplit grid leaves most SMs idle: the split
-    rows show whether cutting K pays for its two extra launches."""
+def quant_matmul_speed(n: int, k: int, rows: int = 1, dtype: torch.dtype = torch.bfloat16,
+                       group_sizes: Sequence[int] = (64,), device: str = "cuda") -> list[dict]:
+    """Time x [rows, K] @ W.T for W [N, K] on CUDA: dense (``F.linear``), the int8 kernel and the int4 kernel in
+    each of group_sizes unsplit (the engine's default tiles) and with the K slices ``num_k_splits`` chooses, and
+    fp8 weights (W8A8 through ``torch._scaled_mm``, the activations quantized on the fly) on a GPU from sm_89 on;
+    the weight bytes each reads per second. At decode sizes the unsplit grid leaves most SMs idle: the split
+    rows show whether cutting K pays for its two extra launches. Rows carry their int4 group size (else None)."""
     import triton.testing
 
     from minfer.formats.fp8 import quantize_fp8_rows
@@ -137,22 +141,25 @@ def quant_matmul_speed(n: int, k: int, rows: int = 1, dtype: torch.dtype = torch
     from minfer.kernels.quant_matmul import (INT4_BLOCK_N, INT8_BLOCK_N, int4_block_k, int4_matmul, int8_block_k,
                                              int8_matmul, k_slices)
 
-    x, dense, (q8, s8), (packed, s4, m4) = quant_operands(n, k, rows, dtype, group_size, device)
-    auto = {"int8": k_slices(x, n, k, 16, INT8_BLOCK_N, int8_block_k(dtype), None)[0],
-            "int4": k_slices(x, n, k, 16, INT4_BLOCK_N, int4_block_k(dtype, group_size), None)[0]}
-    cases = [("dense", None, lambda: torch.nn.functional.linear(x, dense), n * k * dense.element_size())]
+    x, dense, (q8, s8), int4 = quant_operands(n, k, rows, dtype, group_sizes, device)
+    auto = {None: k_slices(x, n, k, 16, INT8_BLOCK_N, int8_block_k(dtype), None)[0]}  # by int4 group size
+    auto.update({g: k_slices(x, n, k, 16, INT4_BLOCK_N, int4_block_k(dtype, g), None)[0] for g in int4})
+    cases = [("dense", None, None, lambda: torch.nn.functional.linear(x, dense), n * k * dense.element_size())]
     for splits in (1, None):  # unsplit (the engine's default), then the slices num_k_splits chooses
-        cases.append(("int8", splits, lambda s=splits: int8_matmul(x, q8, s8, num_splits=s), q8.numel() + 4 * n))
-        cases.append(("int4", splits, lambda s=splits: int4_matmul(x, packed, s4, m4, num_splits=s),
-                      packed.numel() + 2 * s4.numel() * s4.element_size()))
+        cases.append(("int8", None, splits or f"auto: {auto[None]}",
+                      lambda s=splits: int8_matmul(x, q8, s8, num_splits=s), q8.numel() + 4 * n))
+        for g, (packed, s4, m4) in int4.items():
+            cases.append(("int4", g, splits or f"auto: {auto[g]}",
+                          lambda s=splits, p=packed, sc=s4, mn=m4: int4_matmul(x, p, sc, mn, num_splits=s),
+                          packed.numel() + 2 * s4.numel() * s4.element_size()))
     capability = cuda_capability(x.device)
     if capability is not None and capability >= FP8_CAPABILITY:  # e4m3 weights, W8A8 through torch._scaled_mm
         fp8 = Fp8Linear(*quantize_fp8_rows(dense.float()), None, backend="torch")
-        cases.append(("fp8", None, lambda: fp8(x), fp8.qweight.numel() + 4 * n))
+        cases.append(("fp8", None, None, lambda: fp8(x), fp8.qweight.numel() + 4 * n))
     results = []
-    for fmt, splits, run, nbytes in cases:
+    for fmt, group_size, splits, run, nbytes in cases:
         us = triton.testing.do_bench(run) * 1e3
         results.append({"n": n, "k": k, "rows": rows, "dtype": str(dtype).removeprefix("torch."), "format": fmt,
-                        "splits": f"auto: {auto[fmt]}" if fmt in auto and splits is None else splits, "us": us,
+                        "group_size": group_size, "splits": splits, "us": us,
                         "weight_gb_per_s": nbytes / (us / 1e6) / 1e9})
     return results
