@@ -88,7 +88,7 @@ def test_greedy_with_the_shipped_head_equals_plain_and_guesses_well(llm):
                speculative_config={"method": "eagle", "model": EAGLE, "num_speculative_tokens": 4})
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == plain
     good = spec.engine.spec_stats.alpha
-    assert good > 0.1  # measured 0.28 (a head mapped to the wrong tokens: 0.0)
+    assert good > 0.14  # measured 0.44 (a head mapped to the wrong tokens: 0.0)
     assert not spec.engine.proposer.state  # every sequence's features and cache freed
     garbage = load_eagle(EAGLE, llm.model)
     garbage.head_token_ids = garbage.head_token_ids.roll(1)
