@@ -17,6 +17,7 @@ never one above, and nothing imports in a circle (tests/test_import_layers.py ho
     models/            the decoder and its loading
     quant/             quantization applied to a loaded model; moe/carve.py, experts carved from it
     engine/            the serving engine, one scheduled step at a time; speculative/, speculative decoding
+    metrics.py         the engine's gauges and counters as vLLM's get_metrics() records
     generate.py        the simple loop of chapters 00-02: static batches over a contiguous KV cache
     llm.py             LLM, the entry point
     serving/           the OpenAI-compatible HTTP server around an LLM

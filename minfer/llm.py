@@ -22,6 +22,7 @@ from minfer.engine.parallel import ParallelModelRunner, TensorParallelWorkers
 from minfer.generate import generate_static_batch
 from minfer.layers.attention import AttentionFn, get_attention_fn
 from minfer.layers.sampler import signed_seed
+from minfer.metrics import Metric, engine_metrics
 from minfer.models.loader import DEFAULT_MODEL, load_model
 from minfer.outputs import RequestMetrics, RequestOutput
 from minfer.sampling_params import RequestOutputKind, SamplingParams
@@ -79,7 +80,8 @@ class LLM:
 
     Speculative decoding (see `minfer.speculative`): speculative_model '[ngram]' (prompt lookup), a model
     name or path with the target's tokenizer, or a shipped draft such as 'smollm2-135m-draft'. The
-    output keeps exactly the target's distribution. Metrics: `llm.engine.spec_stats`.
+    output keeps exactly the target's distribution. Metrics: `llm.get_metrics()` (vLLM's counters) or
+    `llm.engine.spec_stats` (the same, with acceptance rates and alpha).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, attention: Union[str, AttentionFn] = "sdpa", **engine_args) -> None:
@@ -245,6 +247,11 @@ class LLM:
 
     def has_unfinished_requests(self) -> bool:
         return self.engine.has_unfinished_requests()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's gauges and counters now, as vLLM's `LLM.get_metrics()` gives them (`minfer.metrics`):
+        queues, KV-cache use, prefix-cache hits, preemptions, and the draft counts with speculative decoding."""
+        return engine_metrics(self.engine.snapshot(), {"model_name": self.engine.config.model})
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> str:
         """The conversation as the model's chat template writes it; a message's content is a string or a list

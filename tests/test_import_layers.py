@@ -30,8 +30,8 @@ LAYERS = [
     ("models", ["minfer.models"]),                        # the decoder and its loading
     ("quant", ["minfer.quant", "minfer.moe",              # transforms of a loaded model: quantizers, carved experts
                "minfer.moe.carve"]),
-    ("engine", ["minfer.engine", "minfer.speculative",    # the serving engine, speculative decoding,
-                "minfer.generate"]),                      # and the simple static-batch loop
+    ("engine", ["minfer.engine", "minfer.speculative",    # the serving engine, speculative decoding, its metrics,
+                "minfer.metrics", "minfer.generate"]),    # and the simple static-batch loop
     ("llm", ["minfer.llm"]),                              # LLM, the entry point
     ("serving", ["minfer.serving"]),                      # the HTTP server around an LLM
     ("package", ["minfer"]),                              # minfer/__init__.py: the public names

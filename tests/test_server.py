@@ -8,6 +8,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -266,6 +267,10 @@ def test_metrics_count_draft_tokens(tiny_model):
                                       extra_body={"ignore_eos": True})
         drafts, accepted = s.metric("spec_decode_num_draft_tokens_total"), s.metric("spec_decode_num_accepted_tokens_total")
         assert drafts > 0 and 0 <= accepted <= drafts and s.metric("spec_decode_num_drafts_total") > 0
+        per_position = re.findall(r'^minfer:spec_decode_num_accepted_tokens_per_pos_total\{.*position="(\d)"\} (\S+)$',
+                                  httpx.get(s.url + "/metrics").text, re.M)
+        assert [p for p, _ in per_position] == ["0", "1", "2"][: len(per_position)] and per_position
+        assert sum(float(v) for _, v in per_position) == accepted
     finally:
         assert s.stop() == 0
 

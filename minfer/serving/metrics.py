@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
+from minfer.metrics import PREFIX, Counter as CounterValue, Vector, engine_metrics
 from minfer.outputs import RequestOutput
 
-PREFIX = "minfer:"
 disable_created_metrics()  # no `_created` twin beside every counter: less to read, as in vLLM
 # vLLM's buckets for the same histograms (seconds)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -30,24 +30,32 @@ class _Seen:
     last_time: float = 0.0  # when the last new token was routed
 
 
+COUNTER_HELP = {"num_preemptions": "Sequences preempted (their blocks freed, to be recomputed).",
+                "spec_decode_num_drafts": "Verification passes that checked draft tokens.",
+                "spec_decode_num_draft_tokens": "Draft tokens proposed.",
+                "spec_decode_num_accepted_tokens": "Draft tokens accepted.",
+                "spec_decode_num_accepted_tokens_per_pos": "Draft tokens accepted, by position in the draft."}
+
+
 class EngineCounters:
-    """Counters the engine keeps itself, read from its latest snapshot when scraped (a Prometheus collector)."""
+    """Counters the engine keeps itself (`minfer.metrics`), read from its latest snapshot when scraped (a
+    Prometheus collector); a vector becomes one counter per position, labelled `position`, as in vLLM."""
 
     def __init__(self, async_engine, labels: dict[str, str]) -> None:
         self.async_engine, self.labels = async_engine, labels
 
     def collect(self):
-        snap = self.async_engine.snapshot
-        counts = [("num_preemptions", "Sequences preempted (their blocks freed, to be recomputed).", snap.num_preemptions)]
-        if snap.spec_decode is not None:
-            spec = snap.spec_decode
-            counts += [("spec_decode_num_drafts", "Verification passes that checked draft tokens.", spec.num_drafts),
-                       ("spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens),
-                       ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)]
-        for name, doc, value in counts:
-            family = CounterMetricFamily(PREFIX + name, doc, labels=list(self.labels))
-            family.add_metric(list(self.labels.values()), value)
-            yield family
+        for m in engine_metrics(self.async_engine.snapshot, self.labels):
+            if isinstance(m, (CounterValue, Vector)):
+                doc = COUNTER_HELP[m.name.removeprefix(PREFIX)]
+                if isinstance(m, CounterValue):
+                    family = CounterMetricFamily(m.name, doc, labels=list(m.labels))
+                    family.add_metric(list(m.labels.values()), m.value)
+                else:
+                    family = CounterMetricFamily(m.name, doc, labels=[*m.labels, "position"])
+                    for position, value in enumerate(m.values):
+                        family.add_metric([*m.labels.values(), str(position)], value)
+                yield family
 
 
 class ServerMetrics:
