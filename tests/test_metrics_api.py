@@ -42,3 +42,9 @@ def test_speculative_counters_match_the_engine_stats(make_tiny_llm):
     assert isinstance(per_position, Vector) and 1 <= len(per_position.values) <= 3
     assert sum(per_position.values) == stats.num_accepted_tokens
     assert per_position.values == sorted(per_position.values, reverse=True)  # position i needs the ones before it
+
+    before = llm.engine.snapshot().spec_decode  # a snapshot's counts stay as they were
+    counts = (before.num_drafts, list(before.num_accepted_tokens_per_pos))
+    llm.generate(REPEATING, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert llm.engine.spec_stats.num_drafts > counts[0]
+    assert (before.num_drafts, before.num_accepted_tokens_per_pos) == counts

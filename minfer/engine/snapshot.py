@@ -13,7 +13,6 @@ every sequence and block, so only views that draw them ask for it.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -137,6 +136,6 @@ def take_snapshot(engine: Engine, version: int, with_detail: bool) -> EngineSnap
                           scheduler.has_unfinished(), blocks.num_free_blocks, blocks.num_blocks, blocks.block_size,
                           scheduler.max_num_batched_tokens, engine.prefix_hit_rate, stats.steps, stats.computed_tokens,
                           stats.padding_tokens, stats.peak_blocks_used, scheduler.num_preemptions,
-                          copy.deepcopy(engine.spec_stats) if engine.proposer is not None else None,
+                          engine.spec_stats.copy() if engine.proposer is not None else None,
                           dataclasses.replace(comm) if comm is not None else None,
                           **(detail(engine) if with_detail else {}))

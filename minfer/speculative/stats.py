@@ -25,7 +25,7 @@ falls as k grows. Two estimators of alpha:
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -37,6 +37,11 @@ class SpecDecodeStats:
     num_draft_tokens_per_pos: list[int] = field(default_factory=list)
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     draft_time_s: float = 0.0  # time spent proposing (draft forwards or n-gram lookups)
+
+    def copy(self) -> SpecDecodeStats:
+        """A copy that later counts do not change (an engine snapshot's; cheaper than copy.deepcopy)."""
+        return replace(self, num_draft_tokens_per_pos=list(self.num_draft_tokens_per_pos),
+                       num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos))
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:
