@@ -121,6 +121,27 @@ def test_preemption_prefix_hits_and_aborts_keep_it_lossless(tiny):
     assert not proposer.state
 
 
+def test_every_sequence_is_handed_its_own_features(tiny):
+    """In a batch that mixes verification passes with plain decodes of different lengths (the step's
+    inputs are packed in another order than the batch's), each sequence observes the target's hidden
+    states at its own positions."""
+    rng = random.Random(1)
+    prompts = [{"prompt_token_ids": [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]} for _ in range(8)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(2, 24), ignore_eos=True) for _ in prompts]
+    proposer = EagleProposer(random_head(tiny.model), VOCAB)
+    seen, observe = [], proposer.observe
+
+    def checked(seq, first, hidden):
+        ids = torch.tensor([seq.token_ids_between(0, first + len(hidden))])  # drafts under verification included
+        solo = tiny.model.hidden_states(ids, torch.arange(ids.shape[1])[None])[0, first:]
+        seen.append(torch.allclose(hidden, solo, atol=1e-4))
+        observe(seq, first, hidden)
+
+    proposer.observe = checked
+    run_engine(tiny, prompts, params, proposer, 3, max_num_seqs=8)
+    assert len(seen) > 8 and all(seen)
+
+
 def test_sampling_with_the_head_is_seeded(tiny):
     prompt = {"prompt_token_ids": [3, 1, 4, 1, 5]}
     params = SamplingParams(temperature=0.8, top_k=50, seed=7, max_tokens=30, ignore_eos=True)

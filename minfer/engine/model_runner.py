@@ -70,6 +70,7 @@ class PreparedStep:
     logits_indices: torch.Tensor  # the rows to compute logits for: sampling rows, then prompt-scoring rows
     sampled: list[tuple[Sequence, slice]] = field(default_factory=list)  # logits rows of each sampled sequence
     scored: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    seqs: list[Sequence] = field(default_factory=list)  # the scheduled sequences in paged.slices' order (prepare sorts)
 
     @property
     def plain_decode(self) -> bool:
@@ -208,7 +209,8 @@ class ModelRunner:
             input_ids, positions = input_ids + [0] * padding, positions + [0] * padding
             logits_rows = logits_rows + [0] * (bucket_for(len(logits_rows)) - len(logits_rows)) if logits_rows else []
         return PreparedStep(torch.tensor([input_ids], device=device), torch.tensor([positions], device=device), paged,
-                            torch.tensor(logits_rows, dtype=torch.long, device=device), sampled, scored)
+                            torch.tensor(logits_rows, dtype=torch.long, device=device), sampled, scored,
+                            [seq for seq, _ in batch])
 
     def release(self, seq: Sequence) -> None:
         """A sequence has left the engine: forget its block table's row."""
@@ -229,7 +231,7 @@ class ModelRunner:
             states = self.model.hidden_states(step.input_ids, step.positions, step.paged)[0]
             logits = self.model.logits(states[step.logits_indices])
             hidden = [(seq, s.context_len - s.query_len, states[s.query_start:s.query_start + s.query_len])
-                      for (seq, _), s in zip(batch, step.paged.slices)]  # slices follow the batch's order
+                      for seq, s in zip(step.seqs, step.paged.slices)]
         elif logits is None:  # not a step the fast path serves (or its recording failed): eagerly
             logits = self.model(step.input_ids, step.positions, step.paged, logits_indices=step.logits_indices)[0]
         tokens: list[Optional[int]] = [None] * len(step.sampled)
