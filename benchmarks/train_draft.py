@@ -52,15 +52,17 @@ TEMPLATES = ["Tell me about {}.", "Write a short poem about {}.", "Explain {} to
              "What questions should I ask an expert on {}?"]
 
 
-def chat_prompts(tokenizer, seed: int) -> tuple[list[str], list[str]]:
+def chat_prompts(tokenizer, seed: int, extra_subjects: tuple[str, ...] = (),
+                 extra_templates: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
     """Subject x template questions in the chat template, shuffled. The held-out ones use 12
-    subjects the training prompts never mention, so acceptance is measured on new ground."""
+    subjects the training prompts never mention, so acceptance is measured on new ground; the
+    extra subjects and templates widen the training prompts only (the held-out set stays the same)."""
     subjects = list(SUBJECTS)
     rng = random.Random(seed)
     rng.shuffle(subjects)
     chat = lambda q: tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                                    add_generation_prompt=True)
-    train = [chat(t.format(s)) for s in subjects[12:] for t in TEMPLATES]
+    train = [chat(t.format(s)) for s in subjects[12:] + list(extra_subjects) for t in TEMPLATES + list(extra_templates)]
     held_out = [chat(t.format(s)) for s in subjects[:12] for t in TEMPLATES]
     rng.shuffle(train)
     rng.shuffle(held_out)

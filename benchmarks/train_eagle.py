@@ -36,6 +36,32 @@ from train_draft import chat_prompts, pack
 
 BENCH_TOPICS = ("assert", "pass", "del", "return", "break", "continue", "global", "import")  # bench_speculative's
 BENCH_SUBJECTS = ("robots", "learning a language", "mountains", "light", "the weather")  # near its chat questions
+# More kinds of training prompts (--more-kinds): 103 more subjects and 16 more templates, none near a
+# held-out subject or a benchmark question. With them, 4000 prompts x one answer raised the head's
+# first-guess agreement on held-out prompts by 3 points, but left the engine's alpha within noise.
+EXTRA_SUBJECTS = (
+    "bridges", "penguins", "the postal service", "knitting", "coral reefs", "the violin", "origami", "submarines",
+    "a school library", "baking cookies", "the Arctic", "clocks", "microscopes", "the water cycle", "tigers",
+    "spiders", "skyscrapers", "the Renaissance", "the Vikings", "castles", "pirates", "maps", "compasses", "money",
+    "taxes", "elections", "newspapers", "podcasts", "photography", "film making", "theatre", "ballet", "yoga",
+    "swimming", "tennis", "public transport", "farming", "rice", "apples", "cheese", "salt", "vitamins",
+    "the common cold", "dentists", "hospitals", "teachers", "homework", "exams", "a science fair",
+    "the periodic table", "atoms", "DNA", "evolution", "bacteria", "snow", "glaciers", "islands", "caves", "sharks",
+    "octopuses", "butterflies", "ants", "horses", "owls", "elephants", "bats", "wolves", "frogs", "calendars",
+    "the number zero", "probability", "spreadsheets", "passwords", "email", "cloud computing", "computer viruses",
+    "keyboards", "batteries", "wind turbines", "nuclear power", "plastic", "glass", "paper", "cotton", "wool",
+    "a road trip", "a picnic", "a lost wallet", "a new neighbour", "a family dinner", "a wedding",
+    "a museum visit", "a broken phone", "volunteering", "patience", "honesty", "curiosity", "courage", "habits",
+    "procrastination", "stress", "happiness", "gratitude")
+EXTRA_TEMPLATES = (
+    "List five interesting things about {}.", "Write a letter to a friend about {}.",
+    "What would a beginner need to know about {}?", "Compare {} with something similar.",
+    "Write a limerick about {}.", "Explain {} in simple words.", "What are the main ideas behind {}?",
+    "Write a news headline and a short article about {}.", "How can I learn more about {}?",
+    "Give me a step-by-step guide related to {}.", "What might {} look like in a hundred years?",
+    "Write a motivational message inspired by {}.", "Describe a day in the life of someone who works with {}.",
+    "What are three surprising facts about {}?", "Create a quiz with three questions about {}.",
+    "Write a product description for something related to {}.")
 
 
 @torch.no_grad()
@@ -43,7 +69,7 @@ def target_features(target, rows: torch.Tensor, batch_size: int) -> torch.Tensor
     """The target's pre-norm last hidden states [rows, seq, hidden] in bfloat16 (bf16 matmuls)."""
     positions = torch.arange(rows.shape[1])[None]
     out = []
-    for i in tqdm(range(0, len(rows), batch_size), desc="target features"):
+    for i in tqdm(range(0, len(rows), batch_size), desc="target features", disable=len(rows) <= batch_size):
         with bf16_autocast("cpu"):
             out.append(target.hidden_states(rows[i:i + batch_size], positions).to(torch.bfloat16).clone())
     return torch.cat(out)
@@ -91,6 +117,8 @@ def main(argv=None) -> int:
     parser.add_argument("--answers-per-prompt", type=int, default=2,
                         help="answers the target writes to each prompt: the first greedy for two prompts in three, "
                              "every other one sampled at temperature 0.8 with its own seed")
+    parser.add_argument("--more-kinds", action="store_true",
+                        help="add EXTRA_SUBJECTS and EXTRA_TEMPLATES to the training prompts (5984 prompts in all)")
     parser.add_argument("--answer-tokens", type=int, default=160)
     parser.add_argument("--pydoc-tokens", type=int, default=100000)
     parser.add_argument("--seq-len", type=int, default=256)
@@ -112,7 +140,8 @@ def main(argv=None) -> int:
     llm = LLM("smollm2-135m", dtype="float32", device="cpu", seed=args.seed)
     target, tok = llm.model, llm.tokenizer
     target.requires_grad_(False)  # the head trains alone; the shared embedding stays as it is
-    train_prompts, held_out = chat_prompts(tok, args.seed)
+    extra = (EXTRA_SUBJECTS, EXTRA_TEMPLATES) if args.more_kinds else ((), ())
+    train_prompts, held_out = chat_prompts(tok, args.seed, *extra)
     train_prompts = [p for p in train_prompts if not any(s in p for s in BENCH_SUBJECTS)][: args.chat_prompts]
     from pydoc_data.topics import topics
 
