@@ -248,6 +248,11 @@ class LLM:
     def has_unfinished_requests(self) -> bool:
         return self.engine.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache, as vLLM's: the next prompts are computed in full (timing a prefill, say).
+        False, and nothing forgotten, while a request still holds KV blocks."""
+        return self.engine.blocks.reset_prefix_cache()
+
     def get_metrics(self) -> list[Metric]:
         """The engine's gauges and counters now, as vLLM's `LLM.get_metrics()` gives them (`minfer.metrics`):
         queues, KV-cache use, prefix-cache hits, preemptions, and the draft counts with speculative decoding."""

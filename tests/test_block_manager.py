@@ -70,6 +70,19 @@ def test_freed_cached_blocks_survive_until_reused_lru():
     assert cached == 0
 
 
+def test_reset_forgets_every_prefix_but_only_when_nothing_is_held():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    prompt = [1, 2, 3, 4, 5]
+    table, _ = bm.allocate(prompt)
+    bm.seal_full_blocks(table, prompt, 5)
+    assert not bm.reset_prefix_cache()  # held: its full blocks keep their names
+    assert bm.cached_prefix(prompt) and bm.blocks[table[0]].hash is not None
+    bm.free(table)
+    assert bm.reset_prefix_cache()
+    assert bm.cached_prefix(prompt) == [] and bm.allocate(prompt)[1] == 0
+    assert all(b.hash is None for b in bm.blocks) and bm.num_free_blocks == 1
+
+
 def test_allocation_counts_cached_free_blocks_as_used():
     bm = BlockManager(num_blocks=2, block_size=2)
     prompt = [1, 2, 3]

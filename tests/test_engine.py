@@ -96,6 +96,11 @@ def test_prefix_cache_skips_shared_prompt_blocks(tiny_llm):
     assert uncached.engine.prefix_hit_rate == 0
     assert cached.engine.stats.computed_tokens < uncached.engine.stats.computed_tokens / 3
 
+    assert cached.reset_prefix_cache()  # vLLM's: the next prompt is computed in full
+    before = cached.engine.stats.computed_tokens
+    assert ids(cached.generate(prompts[1:2], params, use_tqdm=False)) == ids(rest_plain[:1])
+    assert cached.engine.stats.computed_tokens - before == 130 + 3  # the whole prompt, then 3 decode steps
+
 
 def test_abort_frees_blocks_and_others_finish(tiny_llm):
     llm = tiny_llm(num_gpu_blocks_override=64)

@@ -152,6 +152,17 @@ class BlockManager:
                 self.free_ids[block_id] = None
         table.clear()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's `reset_prefix_cache`), so that the next prompts are computed
+        in full. Only while no sequence holds a block: a running sequence's full blocks must keep their
+        names. Returns whether it reset."""
+        if self.num_free_blocks < self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.hash, block.parent_hash, block.token_ids = None, None, ()
+        self.cached.clear()
+        return True
+
     def check_invariants(self, tables: list[list[int]]) -> None:
         """Every block is either free or held, reference counts equal the holders, used + free = total."""
         holders: dict[int, int] = {}
