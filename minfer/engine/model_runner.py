@@ -199,7 +199,8 @@ class ModelRunner:
                 sampled.append((seq, slice(len(sample_at), len(sample_at) + 1 + drafts)))
                 sample_at += range(len(input_ids) - 1 - drafts, len(input_ids))
         device = self.device
-        rows = self.block_tables.rows([seq for seq, _ in batch])
+        seqs = [seq for seq, _ in batch]
+        rows = self.block_tables.rows(seqs)
         tables = self.block_tables.gather(rows, max(len(s.block_table) for s in slices))
         paged = PagedStep(self.pool, slices, torch.tensor(positions), self.kernels_on(), self.config.bucket_step_shapes,
                           tables)
@@ -209,8 +210,7 @@ class ModelRunner:
             input_ids, positions = input_ids + [0] * padding, positions + [0] * padding
             logits_rows = logits_rows + [0] * (bucket_for(len(logits_rows)) - len(logits_rows)) if logits_rows else []
         return PreparedStep(torch.tensor([input_ids], device=device), torch.tensor([positions], device=device), paged,
-                            torch.tensor(logits_rows, dtype=torch.long, device=device), sampled, scored,
-                            [seq for seq, _ in batch])
+                            torch.tensor(logits_rows, dtype=torch.long, device=device), sampled, scored, seqs)
 
     def release(self, seq: Sequence) -> None:
         """A sequence has left the engine: forget its block table's row."""

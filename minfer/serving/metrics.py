@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from minfer.metrics import PREFIX, Counter as CounterValue, Vector, engine_metrics
+from minfer.metrics import PREFIX, Gauge as GaugeValue, Vector, engine_metrics
 from minfer.outputs import RequestOutput
 
 disable_created_metrics()  # no `_created` twin beside every counter: less to read, as in vLLM
@@ -46,16 +46,17 @@ class EngineCounters:
 
     def collect(self):
         for m in engine_metrics(self.async_engine.snapshot, self.labels):
-            if isinstance(m, (CounterValue, Vector)):
-                doc = COUNTER_HELP[m.name.removeprefix(PREFIX)]
-                if isinstance(m, CounterValue):
-                    family = CounterMetricFamily(m.name, doc, labels=list(m.labels))
-                    family.add_metric(list(m.labels.values()), m.value)
-                else:
-                    family = CounterMetricFamily(m.name, doc, labels=[*m.labels, "position"])
-                    for position, value in enumerate(m.values):
-                        family.add_metric([*m.labels.values(), str(position)], value)
-                yield family
+            if isinstance(m, GaugeValue):
+                continue  # ServerMetrics reads the gauges live, from the async engine
+            doc, labels = COUNTER_HELP[m.name.removeprefix(PREFIX)], list(m.labels.values())
+            if isinstance(m, Vector):
+                family = CounterMetricFamily(m.name, doc, labels=[*m.labels, "position"])
+                for position, value in enumerate(m.values):
+                    family.add_metric([*labels, str(position)], value)
+            else:
+                family = CounterMetricFamily(m.name, doc, labels=list(m.labels))
+                family.add_metric(labels, m.value)
+            yield family
 
 
 class ServerMetrics:
