@@ -2,13 +2,12 @@
 small files written by the gguf package's writer; damaged files get errors that name the file."""
 from __future__ import annotations
 
-import time
-
 import gguf
 import numpy as np
 import pytest
 
 from minfer.formats.gguf_file import dequantize, read_gguf_file
+from minfer.lab.bench.common import best_time
 from minfer.models.loader import load_model, resolve_model_path
 
 
@@ -89,15 +88,9 @@ def test_the_shipped_model_reads_as_the_gguf_package_reads_it():
 def test_reading_the_header_is_much_faster_than_the_gguf_package():
     """The point of the reader: it steps over the tokenizer's ~100k strings instead of viewing each."""
     path = resolve_model_path("smollm2-135m")
-
-    def seconds(read) -> float:
-        start = time.perf_counter()
-        read(path)
-        return time.perf_counter() - start
-
     read_gguf_file(path)  # the first read also brings the file into the page cache: not the reader's cost
-    ours = min(seconds(read_gguf_file) for _ in range(3))  # best of three: a busy machine can stall one read
-    theirs = seconds(gguf.GGUFReader)
+    ours = best_time(lambda: read_gguf_file(path))  # best of three: a busy machine can stall one read
+    theirs = best_time(lambda: gguf.GGUFReader(path), repeats=1)
     assert ours * 10 < theirs, (ours, theirs)  # about 120x on one core
 
 
