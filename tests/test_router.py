@@ -7,7 +7,8 @@ import torch
 
 from minfer.lab.bench.spec import cost_ratio
 from minfer.lab.router import (Answer, Router, candidate_thresholds, cheapest_threshold, evaluate_routing, greedy_answer,
-                           greedy_answers, route, routing_cost, separation_auc, threshold_sweep)
+                           greedy_answers, route, routing_cost, separation_auc, shared_prefix_length,
+                           threshold_sweep)
 from minfer.speculative.pruned_draft import init_draft_from_target
 from minfer.lab.testing import tiny_llama
 
@@ -139,6 +140,15 @@ def test_a_batch_answers_as_each_prompt_alone():
                 assert b.top_probs == pytest.approx(a.top_probs, abs=1e-5)
                 assert b.second_probs == pytest.approx(a.second_probs, abs=1e-5)
         assert len(batched[2].token_ids) == 1 and len(batched[0].token_ids) <= 2
+    system = [11, 12, 13, 14, 15, 16]  # a shared start, as a chat template's system turn: computed once
+    shared = [system + p for p in prompts] + [system[:4]]
+    assert shared_prefix_length(shared) == 3  # the shortest prompt keeps its last token
+    assert shared_prefix_length(shared[:-1]) == 6 and shared_prefix_length([[1, 2], [3, 2]]) == 0
+    alone = [greedy_answer(target, p, 7) for p in shared]
+    batched = greedy_answers(target, shared, 7)
+    assert [a.token_ids for a in batched] == [a.token_ids for a in alone]
+    for b, a in zip(batched, alone):
+        assert b.top_probs == pytest.approx(a.top_probs, abs=1e-5)
     for bad in ([], [[1, 2], []]):
         with pytest.raises(ValueError, match="prompts"):
             greedy_answers(target, bad, 4)

@@ -78,7 +78,9 @@ def greedy_answers(model: LlamaModel, prompts: list[list[int]], max_tokens: int,
     """Greedy decoding of a static batch over a contiguous KV cache, recording each step's top two probabilities.
 
     The loop of chapter 02 (`minfer.generate`): prompts left-padded to the longest, each starting at
-    position 0; a row that is done rides along until every row is. Each row stops after max_tokens
+    position 0; a row that is done rides along until every row is. The tokens every prompt starts
+    with (a chat template's system turn) are computed once and their keys and values copied into
+    every row, as a prefix cache would share them (chapter 05). Each row stops after max_tokens
     or after a token of stop_token_ids (which is kept in the answer). A draft with a reduced head
     (`head_token_ids`) answers in target token ids."""
     if max_tokens < 1:
@@ -89,10 +91,18 @@ def greedy_answers(model: LlamaModel, prompts: list[list[int]], max_tokens: int,
     if max(map(len, prompts)) + max_tokens - 1 > window:
         raise ValueError(f"the longest prompt ({max(map(len, prompts))} tokens) and max_tokens {max_tokens} do not fit "
                          f"the model's {window} positions: shorten it or ask for fewer tokens")
-    device = model.embed_tokens.weight.device
+    device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
     head = getattr(model, "head_token_ids", None)
-    ids, positions, valid = padded_batch(prompts, device)
-    cache = KVCache(model.config, len(prompts), ids.shape[1] + max_tokens, model.embed_tokens.weight.dtype, device)
+    shared = shared_prefix_length(prompts) if len(prompts) > 1 else 0
+    ids, positions, valid = padded_batch([p[shared:] for p in prompts], device)  # each row's own tokens
+    cache = KVCache(model.config, len(prompts), shared + ids.shape[1] + max_tokens, dtype, device)
+    if shared:
+        prefix = KVCache(model.config, 1, shared, dtype, device)
+        model(torch.tensor([prompts[0][:shared]], device=device), torch.arange(shared, device=device)[None], prefix)
+        cache.k[:, :, :, :shared], cache.v[:, :, :, :shared] = prefix.k, prefix.v  # (broadcast over the rows)
+        cache.advance(shared)
+        positions = positions + shared
+        valid = torch.cat([torch.ones(len(prompts), shared, dtype=torch.bool, device=device), valid], dim=1)
     logits = model(ids, positions, cache, attention_mask(valid, ids.shape[1]))
     answers = [Answer([], [], []) for _ in prompts]
     running = list(range(len(prompts)))
@@ -111,6 +121,15 @@ def greedy_answers(model: LlamaModel, prompts: list[list[int]], max_tokens: int,
         valid = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=1)
         logits = model(chosen.to(device)[:, None], positions, cache, attention_mask(valid, 1))
     return answers
+
+
+def shared_prefix_length(prompts: list[list[int]]) -> int:
+    """How many tokens every prompt starts with, leaving each prompt at least its last token to compute."""
+    longest_possible = min(len(p) for p in prompts) - 1
+    for i in range(longest_possible):
+        if any(p[i] != prompts[0][i] for p in prompts):
+            return i
+    return max(longest_possible, 0)
 
 
 def route(confidence: Optional[float], threshold: float) -> str:
