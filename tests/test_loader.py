@@ -140,3 +140,23 @@ def test_gguf_tokenizer_is_converted_once_then_read_from_the_cache(tmp_path, mon
     monkeypatch.setenv("MINFER_CACHE", str(tmp_path / "a-file"))
     (tmp_path / "a-file").write_text("not a folder")
     assert gguf_tokenizer(path).encode(texts[0]) == converted.encode(texts[0])
+
+
+def test_building_a_model_from_weights_imports_no_compiler():
+    """`LlamaModel.empty` (and a draft's) build on the meta device, where an op that only Python implements
+    (nn.Embedding's random init, say) imports torch._dynamo: over a second of every process's first model."""
+    import subprocess
+    import sys
+
+    code = ("import dataclasses, sys, torch\n"
+            "from minfer.models.llama import LlamaModel\n"
+            "from minfer.speculative.pruned_draft import empty_draft\n"
+            "from minfer.lab.testing import tiny_llama\n"
+            "config = tiny_llama().config\n"
+            "model = LlamaModel.empty(config)\n"
+            "draft = empty_draft(dataclasses.replace(config, tie_word_embeddings=False), 16)\n"
+            "assert model.rope.cos.shape == (config.max_position_embeddings, config.head_dim)\n"
+            "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo'))[:3])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", f"torch._dynamo was imported: {done.stdout.strip()}"

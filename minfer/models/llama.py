@@ -45,8 +45,9 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        # computed on the CPU whatever the default device (`LlamaModel.empty` builds the rest on "meta")
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)  # [max_positions, head_dim]
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
@@ -126,7 +127,10 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
+        if not self.embed_tokens.weight.is_meta:  # nn.Embedding's own init; on "meta" (`empty`) there is nothing to fill
+            nn.init.normal_(self.embed_tokens.weight)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)

@@ -53,7 +53,8 @@ def empty_draft(config: ModelConfig, num_head_tokens: int, device="cpu", dtype=t
     """A DraftModel with uninitialised weights (built on the meta device: no wasted random init)."""
     with torch.device("meta"):
         draft = DraftModel(config, num_head_tokens)
-        draft.embed_tokens = nn.Embedding(0, config.hidden_size)  # a placeholder: the target lends its own
+        # a placeholder: the target lends its own (given as _weight: no init to run, on "meta" or anywhere)
+        draft.embed_tokens = nn.Embedding(0, config.hidden_size, _weight=torch.empty(0, config.hidden_size))
     draft = draft.to_empty(device=device).to(dtype)
     draft.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta).to(device)
     return draft
