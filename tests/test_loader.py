@@ -144,7 +144,7 @@ def test_gguf_tokenizer_is_converted_once_then_read_from_the_cache(tmp_path, mon
 
 def test_building_a_model_from_weights_imports_no_compiler():
     """`LlamaModel.empty` (and a draft's) build on the meta device, where an op that only Python implements
-    (nn.Embedding's random init, say) imports torch._dynamo: over a second of every process's first model."""
+    (nn.Embedding's random init, say) imports torch._dynamo: most of a second of every process's first model."""
     import subprocess
     import sys
 
