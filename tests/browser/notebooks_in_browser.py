@@ -132,18 +132,22 @@ def plan_notebook(path: Path, live_budget_s: float) -> NotebookPlan:
     plan.image_cells.sort()
     if not plan.widget_cells:
         return plan
-    # The first code cell and every cell that last defined a name a needed cell reads, transitively.
-    plan.needed_cells = needed_cells(cells, plan.widget_cells)
-    seconds = [recorded_seconds(cells[i]) for i in plan.needed_cells]
-    plan.needed_seconds = None if None in seconds else sum(seconds)
+    plan.needed_cells, plan.needed_seconds = needed_with_seconds(cells, plan.widget_cells)
     if plan.needed_seconds is not None and plan.needed_seconds <= live_budget_s:
         plan.run_cells, plan.live_cells = plan.needed_cells, plan.widget_cells
     elif plan.glass_cells:  # the glass engine alone may still be quick to bring to life: its button is the check
-        needed = needed_cells(cells, plan.glass_cells)
-        seconds = [recorded_seconds(cells[i]) for i in needed]
-        if None not in seconds and sum(seconds) <= live_budget_s:
-            plan.run_cells, plan.live_cells, plan.needed_seconds = needed, plan.glass_cells, sum(seconds)
+        needed, seconds = needed_with_seconds(cells, plan.glass_cells)
+        if seconds is not None and seconds <= live_budget_s:
+            plan.run_cells, plan.live_cells, plan.needed_seconds = needed, plan.glass_cells, seconds
     return plan
+
+
+def needed_with_seconds(cells: list[dict], targets: list[int]) -> tuple[list[int], float | None]:
+    """The cells to run for targets (the first code cell and every cell that last defined a name a needed cell
+    reads, transitively) and how long they took when last executed (None when a cell has no recorded time)."""
+    needed = needed_cells(cells, targets)
+    seconds = [recorded_seconds(cells[i]) for i in needed]
+    return needed, None if None in seconds else sum(seconds)
 
 
 def bring_each_kind_to_life(plans: list[NotebookPlan]) -> None:
@@ -152,18 +156,12 @@ def bring_each_kind_to_life(plans: list[NotebookPlan]) -> None:
     for kind in ("slider_cells", "glass_cells"):
         if any(set(getattr(plan, kind)) & set(plan.live_cells) for plan in plans):
             continue
-        options = []
-        for plan in plans:
-            for cell in getattr(plan, kind):
-                needed = needed_cells(plan.cells, [cell])
-                seconds = [recorded_seconds(plan.cells[i]) for i in needed]
-                if None not in seconds:
-                    options.append((sum(seconds), plan.path.name, cell, needed, plan))
+        options = [(seconds, plan.path.name, cell, needed, plan) for plan in plans for cell in getattr(plan, kind)
+                   for needed, seconds in [needed_with_seconds(plan.cells, [cell])] if seconds is not None]
         if options:
-            seconds, _, cell, needed, plan = min(options, key=lambda option: option[:3])
-            plan.run_cells = sorted(set(plan.run_cells) | set(needed))
+            _, _, cell, needed, plan = min(options, key=lambda option: option[:3])
             plan.live_cells = sorted(set(plan.live_cells) | {cell})
-            plan.needed_seconds = sum(recorded_seconds(plan.cells[i]) for i in plan.run_cells)
+            plan.run_cells, plan.needed_seconds = needed_with_seconds(plan.cells, plan.live_cells)
 
 
 # -------------------------------------------------------------------------------------------------
