@@ -8,12 +8,16 @@ decodes every tensor to float32 with the package's `gguf.quants.dequantize` and 
 then gets a fresh, empty cache folder (MINFER_CACHE): the tokenizer converted from the file, then read back
 from the cache; `LLM(model)` with the cache empty, then filled; then a `max_model_len` the model cannot take,
 which fails once the config is read. All in one process, one thread, side by side; best of the repeats.
+Last, `LLM(model)` as the first model of a fresh process (cache filled), beside the same after an
+`import torch._dynamo`: what building the model on the meta device cost while it ran Python-only ops there.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -38,6 +42,18 @@ def refused(model: str) -> None:
     raise AssertionError("a max_model_len of 10**7 was accepted")
 
 
+def first_model_seconds(model: str, import_dynamo: bool) -> float:
+    """`LLM(model)` timed in a fresh process (after `import minfer`, tokenizer cached), optionally after importing
+    torch._dynamo."""
+    code = (f"import time\nfrom minfer import LLM\nstart = time.perf_counter()\n"
+            f"{'import torch._dynamo' if import_dynamo else 'pass'}\nLLM({model!r}, dtype='float32')\n"
+            f"print(time.perf_counter() - start)")
+    env = {k: v for k, v in os.environ.items() if k != "MINFER_CACHE"}  # the user's cache, filled at the start
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env=dict(env, OMP_NUM_THREADS="1"))
+    return float(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -50,7 +66,7 @@ def main() -> None:
     gguf_tokenizer(path)  # imports transformers' tokenizer code once, outside the timings
     tensors = list(read_gguf_file(path).tensors.values())
     names = ("gguf reader", "minfer reader", "gguf dequantize", "minfer dequantize", "converted", "cached",
-             "LLM cold", "LLM warm", "refused")
+             "LLM cold", "LLM warm", "refused", "first model", "first model + dynamo")
     times: dict[str, list[float]] = {k: [] for k in names}
     for _ in range(args.repeats):
         times["gguf reader"].append(seconds(lambda: gguf.GGUFReader(path)))
@@ -65,6 +81,8 @@ def main() -> None:
             times[second].append(seconds(fn))
             shutil.rmtree(folder)
         times["refused"].append(seconds(lambda: refused(args.model)))
+        for name, import_dynamo in (("first model", False), ("first model + dynamo", True)):
+            times[name].append(first_model_seconds(args.model, import_dynamo))
     best = {k: min(v) for k, v in times.items()}
     print(f"{args.model}, one thread, best of {args.repeats}\n\n| | s |\n|---|---:|")
     print(f"| the file's header and tensor table, `gguf.GGUFReader` | {best['gguf reader']:.2f} |")
@@ -77,6 +95,9 @@ def main() -> None:
     print(f"| `LLM(\"{args.model}\")`, empty cache | {best['LLM cold']:.2f} |")
     print(f"| `LLM(\"{args.model}\")`, cache filled | {best['LLM warm']:.2f} ({best['LLM warm'] / best['LLM cold']:.2f}x) |")
     print(f"| `LLM(\"{args.model}\", max_model_len=10**7)` refused | {best['refused']:.2f} |")
+    print(f"| `LLM(\"{args.model}\")`, a fresh process's first model | {best['first model']:.2f} |")
+    print(f"| the same after `import torch._dynamo` | {best['first model + dynamo']:.2f} "
+          f"({best['first model'] / best['first model + dynamo']:.2f}x) |")
 
 
 if __name__ == "__main__":
