@@ -10,6 +10,8 @@ import torch
 from minfer import LLM, SamplingParams
 from minfer.config import EngineConfig
 from minfer.engine.engine import Engine
+from minfer.kv_cache import KVCache
+from minfer.lab.distill import ChainCache
 from minfer.speculative import EagleProposer, make_proposer
 from minfer.speculative.eagle_head import EAGLE, EAGLE_DIR, eagle_from_target, load_eagle, save_eagle
 
@@ -50,6 +52,26 @@ def test_head_shapes_and_save_load_roundtrip(tiny, tmp_path):
     assert torch.equal(loaded.head_token_ids, head.head_token_ids)
     assert isinstance(make_proposer(str(tmp_path / "head"), tiny.model, tiny.tokenizer, 512, torch.float32,
                                     torch.device("cpu")), EagleProposer)
+
+
+@torch.no_grad()
+def test_the_training_time_test_guesses_as_the_engine_does(tiny):
+    """ChainCache runs every chain's j-th guess in one call; the engine makes them one after another,
+    each reading the guess before it, over a cache of the target's rows (EagleProposer)."""
+    head = random_head(tiny.model)
+    features, ids = torch.randn(1, 9, 64), torch.randint(0, VOCAB, (1, 10))  # row t reads (f_t, token t+1)
+    chains, depth = 9, 3
+    cache, inputs, together = ChainCache(), features, []
+    for j in range(depth):
+        inputs = head(inputs, torch.nn.functional.pad(ids[:, 1 + j:], (0, j)), torch.arange(j, chains + j)[None], cache)
+        together.append(inputs)
+    for t in range(chains - depth + 1):
+        steps = KVCache(head.config, 1, 16)
+        guess = head(features[:, :t + 1], ids[:, 1:t + 2], torch.arange(t + 1)[None], steps)[:, -1:]
+        for j in range(depth):
+            if j:  # the next guess reads this chain's last predicted feature and the next true token
+                guess = head(guess, ids[:, t + j + 1:t + j + 2], torch.tensor([[t + j]]), steps)
+            torch.testing.assert_close(together[j][:, t:t + 1], guess, atol=1e-5, rtol=1e-5)
 
 
 def test_a_head_for_another_model_is_refused(tiny, llm, tmp_path):
@@ -140,6 +162,38 @@ def test_every_sequence_is_handed_its_own_features(tiny):
     proposer.observe = checked
     run_engine(tiny, prompts, params, proposer, 3, max_num_seqs=8)
     assert len(seen) > 8 and all(seen)
+
+
+@torch.no_grad()
+def test_a_head_that_reads_an_earlier_layer_too(tiny, tmp_path):
+    """EAGLE-3's features: the target hands over layer 0's output before the last one's; fuse starts as the
+    last layer alone (the guesses of the same head without it), is saved and loaded, and speculation with
+    it stays lossless."""
+    ids, positions = torch.randint(0, VOCAB, (1, 7)), torch.arange(7)[None]
+    states = tiny.model.hidden_states(ids, positions, keep_layers=(0,))
+    assert states.shape == (1, 7, 128)
+    torch.testing.assert_close(states[..., 64:], tiny.model.hidden_states(ids, positions))
+    last_only = random_head(tiny.model)
+    head = eagle_from_target(tiny.model, last_only.head_token_ids, (0,))
+    head.load_state_dict(last_only.state_dict(), strict=False)
+    torch.testing.assert_close(head(head.read_features(states), ids, positions), last_only(states[..., 64:], ids, positions))
+    head.fuse.weight.normal_(0, 0.1)  # now layer 0 counts
+    save_eagle(head, tmp_path / "head", {})
+    loaded = load_eagle(str(tmp_path / "head"), tiny.model)
+    assert loaded.feature_layers == (0,)
+    torch.testing.assert_close(loaded.read_features(states), head.read_features(states), atol=0.05, rtol=0.05)
+    with pytest.raises(ValueError, match=r"feature_layers \[1\].*0\.\.0 here"):
+        eagle_from_target(tiny.model, last_only.head_token_ids, (1,))
+
+    rng = random.Random(2)
+    prompts = [{"prompt_token_ids": [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]} for _ in range(4)]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True) for _ in prompts]
+    plain, _ = run_engine(tiny, prompts, params)
+    proposer = EagleProposer(loaded, VOCAB)
+    widths, observe = set(), proposer.observe
+    proposer.observe = lambda seq, first, hidden: (widths.add(hidden.shape[-1]), observe(seq, first, hidden))
+    spec, engine = run_engine(tiny, prompts, params, proposer, 3)
+    assert spec == plain and widths == {128} and engine.spec_stats.num_draft_tokens > 0
 
 
 def test_sampling_with_the_head_is_seeded(tiny):

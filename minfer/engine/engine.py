@@ -186,7 +186,8 @@ class Engine:
             return []
         self.last_batch = batch
         keep_hidden = self.proposer is not None and self.proposer.needs_hidden_states
-        output = self.runner.run(batch, self.structured_outputs.mask, keep_hidden=keep_hidden)
+        output = self.runner.run(batch, self.structured_outputs.mask, keep_hidden=keep_hidden,
+                                 hidden_layers=self.proposer.feature_layers if keep_hidden else ())
         for seq, first, hidden in output.hidden:  # an EAGLE head reads the target's features
             self.proposer.observe(seq, first, hidden)
         if self.moe_blocks:

@@ -47,7 +47,8 @@ class StepOutput:
     tokens: the sampled next token of each sampled sequence without drafts (None for the others).
     scored: (sequence, first, last) prompt positions whose logits follow the sampled rows, for
     prompt_logprobs. logits: float32 [rows, vocab].
-    hidden: with keep_hidden, (sequence, first position, pre-norm hidden states [new tokens, hidden]) for
+    hidden: with keep_hidden, (sequence, first position, pre-norm hidden states [new tokens, hidden], the
+    hidden_layers' outputs first) for
     every scheduled sequence: what an EAGLE draft head reads (`minfer.speculative.eagle`).
     """
 
@@ -217,19 +218,20 @@ class ModelRunner:
         self.block_tables.release(seq)
 
     def run(self, batch: list[tuple[Sequence, int]], mask_logits: Optional[Callable] = None,
-            keep_hidden: bool = False) -> StepOutput:
+            keep_hidden: bool = False, hidden_layers: tuple[int, ...] = ()) -> StepOutput:
         """Prepare, run the model, and sample every sequence that gets a plain next token.
 
         mask_logits(logits, grammars): forbids, in place, the tokens that each row's grammar (its
         sequence's structured-output matcher, or None) does not allow, before sampling.
-        keep_hidden: also return every new token's pre-norm hidden state (StepOutput.hidden); such steps run eagerly."""
+        keep_hidden: also return every new token's pre-norm hidden state (StepOutput.hidden); such steps run eagerly.
+        hidden_layers: with keep_hidden, earlier layers whose outputs come first in each row (`LlamaModel.hidden_states`)."""
         step = self.prepare(batch)
         fast = None if keep_hidden else self.decode_step
         logits = fast(step) if fast is not None and fast.serves(step) else None
         hidden = []
         if logits is None and keep_hidden:
-            states = self.model.hidden_states(step.input_ids, step.positions, step.paged)[0]
-            logits = self.model.logits(states[step.logits_indices])
+            states = self.model.hidden_states(step.input_ids, step.positions, step.paged, keep_layers=hidden_layers)[0]
+            logits = self.model.logits(states[step.logits_indices, -self.model.config.hidden_size:])
             hidden = [(seq, s.context_len - s.query_len, states[s.query_start:s.query_start + s.query_len])
                       for seq, s in zip(step.seqs, step.paged.slices)]
         elif logits is None:  # not a step the fast path serves (or its recording failed): eagerly

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minfer.layers.attention import AttentionFn, causal_mask
 from minfer.layers.linear import bf16_autocast
 from minfer.models.llama import LlamaModel
 # the draft's shape and files live with the engine, which loads the shipped draft; init_draft_from_target and
@@ -160,3 +161,31 @@ def greedy_acceptance(draft: DraftModel, target: LlamaModel, input_ids: torch.Te
     if score_mask is not None:
         hits = hits[score_mask.to(hits.device)]
     return hits.float().mean().item()
+
+
+class ChainCache:
+    """An EAGLE head's training-time test (EAGLE-3): the j-th guess of every chain at once, as the engine
+    makes it (`minfer/speculative/eagle.py`).
+
+    Chain t starts where the target's features end, after position t. In the engine the head's second
+    guess reads its own predicted feature, not the target's, and attends to the rows built from the
+    target's features plus the earlier guesses of its own chain. Passed as the head's KV cache for
+    `depth` calls in a row, this object keeps each call's keys; call j's query for chain t (at position
+    t + j - 1) sees call 1's keys at positions <= t and the keys of calls 2..j for chain t alone. One
+    layer, one head: the keys of each call are kept whole."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_fn: AttentionFn,
+               mask: Optional[torch.Tensor]) -> torch.Tensor:
+        self.keys.append(k)
+        self.values.append(v)
+        chains = q.shape[2]
+        own_chain = torch.eye(chains, dtype=torch.bool, device=q.device)
+        visible = torch.cat([causal_mask(chains, chains, q.device)] + [own_chain] * (len(self.keys) - 1), dim=1)
+        return attention_fn(q, torch.cat(self.keys, dim=2), torch.cat(self.values, dim=2), visible[None, None])
+
+    def advance(self, num_tokens: int) -> None:
+        pass

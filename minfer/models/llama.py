@@ -180,18 +180,22 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: Optional[AttentionCache] = None,
-                      mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      mask: Optional[torch.Tensor] = None, keep_layers: tuple[int, ...] = ()) -> torch.Tensor:
         """The last decoder layer's output [batch, seq, hidden], before the final norm: what `logits`
-        turns into logits, and what an EAGLE draft head reads (`minfer.speculative.eagle`)."""
+        turns into logits, and what an EAGLE draft head reads (`minfer.speculative.eagle`).
+        keep_layers: earlier decoder layers (0-based) whose outputs come first, [batch, seq, (n + 1) x hidden]."""
         x = self.embed_tokens(input_ids)
         rope = self.rope(positions, x.dtype)  # the same angles serve every layer
+        kept = []
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
             x = x + layer.self_attn(h, rope, self.attention_fn, mask, kv_cache, i)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in keep_layers:
+                kept.append(x)
         if kv_cache is not None:
             kv_cache.advance(input_ids.shape[1])
-        return x
+        return torch.cat(kept + [x], dim=-1) if kept else x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and output head: float32 logits for pre-norm hidden states."""

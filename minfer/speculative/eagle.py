@@ -51,6 +51,7 @@ class EagleProposer(Proposer):
     def __init__(self, head: EagleHead, vocab_size: int) -> None:
         """vocab_size: the target's (the size of the distributions handed to the verifier)."""
         self.head, self.vocab_size = head, vocab_size
+        self.feature_layers = head.feature_layers
         self.state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # seq -> EagleState
 
     def release(self, seq: Sequence) -> None:
@@ -58,6 +59,7 @@ class EagleProposer(Proposer):
 
     @torch.inference_mode()
     def observe(self, seq: Sequence, first_position: int, hidden: torch.Tensor) -> None:
+        hidden = self.head.read_features(hidden)  # EAGLE-3: several layers' outputs mixed into one feature
         state = self.state.get(seq)
         if state is None:
             length = len(seq.prompt_token_ids) + seq.max_tokens + 1  # every position a pass can reach

@@ -8,11 +8,16 @@ and predicts the feature f_{t+1}. The target's final norm and its output head, r
 most frequent tokens (as the pruned draft's head), turn that into the next token's guess. To guess
 further, the head feeds its own predicted feature back in place of the target's.
 
+EAGLE-3 reads more than the last layer: with feature_layers, the outputs of those earlier decoder
+layers and of the last one are mixed into one feature first (fuse: (n + 1) x hidden -> hidden), so
+the head sees what the target knew about the context before its last layers turned it towards the
+next token alone. Only the target's rows are fused; the head's own guesses are already one feature.
+
     head = load_eagle("smollm2-135m-eagle", target, dtype, device)
-    features = head(target_features, next_token_ids, positions, kv_cache)   # [batch, seq, hidden]
+    features = head(head.read_features(target_states), next_token_ids, positions, kv_cache)  # [batch, seq, hidden]
     logits = head.logits(features)          # [batch, seq, K]: head_token_ids maps them to target ids
 
-The file holds only fc and the layer (bfloat16): the embedding, the final norm and the K output rows
+The file holds only fc, fuse and the layer (bfloat16): the embedding, the final norm and the K output rows
 are the target's, taken at load time. `benchmarks/train_eagle.py` trains it.
 """
 from __future__ import annotations
@@ -32,15 +37,19 @@ from minfer.models.llama import DecoderLayer, LlamaModel, RMSNorm, RotaryEmbeddi
 
 EAGLE = "smollm2-135m-eagle"
 EAGLE_DIR = Path(__file__).resolve().parent.parent / "drafts" / EAGLE  # package data
+OWN_WEIGHTS = ("fc.", "fuse.", "layer.")  # what the file holds; the rest is the target's
 SHAPE_KEYS = ("hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size")
 
 
 class EagleHead(nn.Module):
-    def __init__(self, config: ModelConfig, num_head_tokens: int) -> None:
-        """config: the target's; the head has one decoder layer of that shape."""
+    def __init__(self, config: ModelConfig, num_head_tokens: int, feature_layers: tuple[int, ...] = ()) -> None:
+        """config: the target's; the head has one decoder layer of that shape. feature_layers: the target's
+        earlier decoder layers (0-based) it reads besides the last one."""
         super().__init__()
         self.config = replace(config, num_layers=1, sparse_layers=())
         hidden = config.hidden_size
+        self.feature_layers = tuple(feature_layers)
+        self.fuse = nn.Linear((len(feature_layers) + 1) * hidden, hidden, bias=False) if feature_layers else None
         self.embed_tokens = nn.Embedding(0, hidden)  # a placeholder: the target lends its own
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
         self.layer = DecoderLayer(self.config, 0)
@@ -49,6 +58,10 @@ class EagleHead(nn.Module):
         self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.register_buffer("head_token_ids", torch.zeros(num_head_tokens, dtype=torch.long), persistent=False)
         self.attention_fn = attention_sdpa
+
+    def read_features(self, states: torch.Tensor) -> torch.Tensor:
+        """The target's hidden states [..., (len(feature_layers) + 1) x hidden] -> the feature the head reads."""
+        return states if self.fuse is None else self.fuse(states.to(self.fuse.weight.dtype))
 
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_cache: Optional[AttentionCache] = None) -> torch.Tensor:
@@ -78,13 +91,23 @@ def _check_shape(meta: dict, target: LlamaModel, name: str) -> None:
 
 
 @torch.no_grad()
-def eagle_from_target(target: LlamaModel, head_token_ids: torch.Tensor) -> EagleHead:
+def eagle_from_target(target: LlamaModel, head_token_ids: torch.Tensor, feature_layers: tuple[int, ...] = ()) -> EagleHead:
     """A fresh head for `target` (its layer randomly initialised): the target's embedding (shared), its
-    final norm (a copy) and its output rows for head_token_ids (a copy), all three frozen."""
+    final norm (a copy) and its output rows for head_token_ids (a copy), all three frozen. fuse starts
+    by passing the last layer's output through unchanged: a head trained on the last layer alone can go on
+    learning from there."""
+    bad = [i for i in feature_layers if not 0 <= i < target.config.num_layers - 1]
+    if bad:
+        raise ValueError(f"feature_layers {bad}: an EAGLE head reads earlier layers of the target, "
+                         f"0..{target.config.num_layers - 2} here (the last one it reads anyway)")
     if not isinstance(target.lm_head, nn.Linear):
         raise ValueError("an EAGLE head copies the target's float output rows: use an unquantized target")
     weight = target.embed_tokens.weight
-    head = EagleHead(target.config, len(head_token_ids)).to(device=weight.device, dtype=weight.dtype)
+    head = EagleHead(target.config, len(head_token_ids), feature_layers).to(device=weight.device, dtype=weight.dtype)
+    if head.fuse is not None:
+        hidden = target.config.hidden_size
+        head.fuse.weight.zero_()
+        head.fuse.weight[:, -hidden:] = torch.eye(hidden)
     head.embed_tokens = target.embed_tokens
     head.norm.weight.copy_(target.norm.weight)
     head.lm_head.weight.copy_(target.lm_head.weight[head_token_ids.to(weight.device)])
@@ -96,14 +119,15 @@ def eagle_from_target(target: LlamaModel, head_token_ids: torch.Tensor) -> Eagle
 
 
 def save_eagle(head: EagleHead, folder: str | os.PathLike, meta: dict) -> None:
-    """Write fc and the layer in bfloat16, and the config (the shape, head_token_ids, `meta`)."""
+    """Write fc, fuse and the layer in bfloat16, and the config (the shape, feature_layers, head_token_ids, `meta`)."""
     from safetensors.torch import save_file
 
     os.makedirs(folder, exist_ok=True)
     tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in head.state_dict().items()
-               if k.startswith(("fc.", "layer."))}
+               if k.startswith(OWN_WEIGHTS)}
     save_file(tensors, os.path.join(folder, "model.safetensors"))
     config = {**{k: getattr(head.config, k) for k in SHAPE_KEYS}, "method": "eagle", **meta,
+              "feature_layers": list(head.feature_layers),
               "head_token_ids": head.head_token_ids.tolist()}
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)
@@ -127,9 +151,10 @@ def load_eagle(name_or_path: str, target: LlamaModel) -> EagleHead:
         raise ValueError(f"no EAGLE head at {name_or_path!r}: use {EAGLE!r} or a folder written by save_eagle")
     meta = json.loads((folder / "config.json").read_text())
     _check_shape(meta, target, name_or_path)
-    head = eagle_from_target(target, torch.tensor(meta["head_token_ids"], dtype=torch.long))
+    head = eagle_from_target(target, torch.tensor(meta["head_token_ids"], dtype=torch.long),
+                             tuple(meta.get("feature_layers", ())))
     tensors = load_file(str(folder / "model.safetensors"))
-    own = {k for k in head.state_dict() if k.startswith(("fc.", "layer."))}
+    own = {k for k in head.state_dict() if k.startswith(OWN_WEIGHTS)}
     if set(tensors) != own:
         raise ValueError(f"{folder} does not hold an EAGLE head of this shape: expected {sorted(own)}, "
                          f"found {sorted(tensors)}")

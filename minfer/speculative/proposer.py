@@ -27,10 +27,12 @@ class Proposer:
 
     # True: the engine hands `observe` the target's pre-norm hidden states of every pass (an EAGLE head's input)
     needs_hidden_states: bool = False
+    # with it: earlier decoder layers whose outputs come first in each row handed to `observe` (EAGLE-3's features)
+    feature_layers: tuple[int, ...] = ()
 
     def observe(self, seq: Sequence, first_position: int, hidden: torch.Tensor) -> None:
-        """The target just computed hidden [n, hidden_size] for seq's positions first_position.. (prefill
-        chunks, decode steps and verification passes, rejected drafts included)."""
+        """The target just computed hidden [n, (len(feature_layers) + 1) x hidden_size] for seq's positions
+        first_position.. (prefill chunks, decode steps and verification passes, rejected drafts included)."""
 
     def release(self, seq: Sequence) -> None:
         """The sequence is done: forget any state kept for it (a draft model's KV cache)."""
