@@ -29,17 +29,22 @@ pytestmark = pytest.mark.slow  # servers start in subprocesses: about 90 s for t
 class Server:
     """`python -m minfer serve MODEL --port P ARGS...` in a subprocess, ready once /health answers."""
 
-    def __init__(self, model: str, *args: str, env: dict = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "minfer", "serve", model, "--port", str(self.port), *args],
-                                     env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            wait_until_ready(self.url, self.proc, timeout_s=120)
-        except RuntimeError as exc:
-            self.stop()
-            raise RuntimeError(f"{exc}:\n{self.proc.stdout.read()}") from None
+    def __init__(self, model: str, *args: str, env: dict = None, tries: int = 3) -> None:
+        for attempt in range(tries):
+            # a free port can be taken by another test process before the server binds it: then take another
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            self.proc = subprocess.Popen([sys.executable, "-m", "minfer", "serve", model, "--port", str(self.port), *args],
+                                         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            try:
+                wait_until_ready(self.url, self.proc, timeout_s=120)
+                return
+            except RuntimeError as exc:
+                self.stop()
+                output = self.proc.stdout.read()
+                if "address already in use" not in output or attempt == tries - 1:
+                    raise RuntimeError(f"{exc}:\n{output}") from None
 
     def client(self, api_key: str = "unused", **kwargs) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, **kwargs)
