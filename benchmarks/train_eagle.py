@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from minfer import LLM, SamplingParams
 from minfer.lab.bench.spec import CHAT_QUESTIONS
 from minfer.layers.linear import bf16_autocast
-from minfer.lab.distill import ChainCache, distillation_loss, run_training, select_head_tokens
+from minfer.lab.distill import chained_guesses, distillation_loss, run_training, select_head_tokens
 from minfer.speculative.eagle_head import EAGLE_DIR, EagleHead, eagle_from_target, load_eagle, save_eagle
 from minfer.texts import EVAL_TOPICS
 from train_draft import chat_prompts, pack
@@ -92,15 +92,12 @@ def head_loss(head: EagleHead, ids: torch.Tensor, features: torch.Tensor, scale:
     inputs, wanted = features[:, :-1].float(), features[:, 1:, -head.config.hidden_size:].float()
     inputs = inputs + noise * scale * (torch.rand_like(inputs) * 2 - 1)
     chains = inputs.shape[1]
-    cache = ChainCache() if depth > 1 else None
     with bf16_autocast("cpu"):
-        inputs = head.read_features(inputs)
         with torch.no_grad():
             teacher = head.logits(wanted)
         loss = 0.0
-        for j in range(depth):  # guess j of chain t reads token t+j+1 at position t+j; it exists while t+j < chains
-            inputs = head(inputs, F.pad(ids[:, 1 + j:], (0, j)), torch.arange(j, chains + j)[None], cache)
-            predicted = inputs[:, :chains - j]
+        for j, guess in enumerate(chained_guesses(head, head.read_features(inputs), ids, depth)):
+            predicted = guess[:, :chains - j]  # the chains whose guess j exists
             regression = F.smooth_l1_loss(head.norm(predicted.float()), head.norm(wanted[:, j:]))
             loss = loss + 0.8 ** j * (regression + kl_weight * distillation_loss(head.logits(predicted), teacher[:, j:]))
     return loss
@@ -118,11 +115,7 @@ def answer_agreement(head: EagleHead, target, answers, depth: int = 1) -> list[f
         chains = ids.shape[1] - 1
         with bf16_autocast("cpu"):
             wanted = head.logits(features[:, 1:, -head.config.hidden_size:]).argmax(-1)
-            guessed, cache, inputs = [], ChainCache(), head.read_features(features[:, :-1])
-            for j in range(depth):  # chain t's j-th guess predicts the token after position t + j + 1
-                step_ids = F.pad(ids[:, 1 + j:], (0, j))
-                inputs = head(inputs, step_ids, torch.arange(j, chains + j)[None], cache)
-                guessed.append(head.logits(inputs).argmax(-1))
+            guessed = [head.logits(g).argmax(-1) for g in chained_guesses(head, head.read_features(features[:, :-1]), ids, depth)]
         right = torch.ones(chains, dtype=torch.bool)
         for j in range(depth):  # guess j of chain t exists while t + j < chains
             seen = right[:chains - j]  # the chains whose earlier guesses were all right
@@ -224,11 +217,12 @@ def main(argv=None) -> int:
     rows, features, head_ids = data["rows"], data["features"], data["head_ids"]
     scale = features[:, : 64].float().abs().median().item()  # a typical channel's size (not the outliers')
 
-    head = eagle_from_target(target, head_ids, layers)
     if args.init:  # the saved head goes on learning, over its own head tokens; a new fuse starts as the last layer
         saved = load_eagle(args.init, target)
         head = eagle_from_target(target, saved.head_token_ids, layers)
         head.load_state_dict(saved.state_dict(), strict=saved.feature_layers == layers)
+    else:
+        head = eagle_from_target(target, head_ids, layers)
     g = torch.Generator().manual_seed(args.seed)
 
     class Batches:  # re-shuffled every pass

@@ -11,7 +11,7 @@ from minfer import LLM, SamplingParams
 from minfer.config import EngineConfig
 from minfer.engine.engine import Engine
 from minfer.kv_cache import KVCache
-from minfer.lab.distill import ChainCache
+from minfer.lab.distill import chained_guesses
 from minfer.speculative import EagleProposer, make_proposer
 from minfer.speculative.eagle_head import EAGLE, EAGLE_DIR, eagle_from_target, load_eagle, save_eagle
 
@@ -61,10 +61,7 @@ def test_the_training_time_test_guesses_as_the_engine_does(tiny):
     head = random_head(tiny.model)
     features, ids = torch.randn(1, 9, 64), torch.randint(0, VOCAB, (1, 10))  # row t reads (f_t, token t+1)
     chains, depth = 9, 3
-    cache, inputs, together = ChainCache(), features, []
-    for j in range(depth):
-        inputs = head(inputs, torch.nn.functional.pad(ids[:, 1 + j:], (0, j)), torch.arange(j, chains + j)[None], cache)
-        together.append(inputs)
+    together = chained_guesses(head, features, ids, depth)
     for t in range(chains - depth + 1):
         steps = KVCache(head.config, 1, 16)
         guess = head(features[:, :t + 1], ids[:, 1:t + 2], torch.arange(t + 1)[None], steps)[:, -1:]

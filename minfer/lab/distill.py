@@ -189,3 +189,17 @@ class ChainCache:
 
     def advance(self, num_tokens: int) -> None:
         pass
+
+
+def chained_guesses(head: nn.Module, features: torch.Tensor, ids: torch.Tensor, depth: int) -> list[torch.Tensor]:
+    """An EAGLE head's first `depth` guesses of every chain at once (ChainCache): features [batch, chains,
+    hidden] the head reads at positions 0..chains-1, ids [batch, chains + 1] the tokens. Guess j of chain t
+    reads token t+j+1 at position t+j and exists while t + j < chains (later rows are padding).
+    Returns the predicted features of each guess, [batch, chains, hidden] each."""
+    chains, guesses = features.shape[1], []
+    cache = ChainCache() if depth > 1 else None  # one guess: plain causal attention
+    for j in range(depth):
+        features = head(features, F.pad(ids[:, 1 + j:], (0, j)), torch.arange(j, chains + j, device=ids.device)[None],
+                        cache)
+        guesses.append(features)
+    return guesses
