@@ -29,7 +29,8 @@ def test_compiled_step_logits_equal_eager(random_tiny_dir, num_seqs):
     assert step.plain_decode and step.input_ids.shape[1] == bucket_for(num_seqs)  # padded by the runner
     eager = llm.model(step.input_ids, step.positions, step.paged, logits_indices=step.logits_indices)
     assert runner.decode_step.serves(step)
-    compiled = runner.decode_step(step)
+    compiled, hidden = runner.decode_step(step)
+    assert hidden is None
     assert compiled.shape == eager.shape[1:] == (bucket_for(num_seqs), 512)
     torch.testing.assert_close(compiled, eager[0], rtol=1e-5, atol=1e-5)
 

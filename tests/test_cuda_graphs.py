@@ -54,13 +54,15 @@ SCRIPT = textwrap.dedent("""
 
     def stand_in(run, memory_pool):
         with no_host_reads():
-            output = run()
-        recorded.append(output.shape[1])
+            outputs = run()  # (logits, hidden states or None)
+        recorded.append(outputs[0].shape[1])
         def replay():
-            replayed.append(output.shape[1])
-            with torch.inference_mode():  # the model's output is an inference tensor
-                output.copy_(run())
-        return replay, output, memory_pool
+            replayed.append(outputs[0].shape[1])
+            with torch.inference_mode():  # the model's outputs are inference tensors
+                for output, new in zip(outputs, run()):
+                    if output is not None:
+                        output.copy_(new)
+        return replay, outputs, memory_pool
 
     def failing(run, memory_pool):
         raise RuntimeError("operation not permitted when stream is capturing")
@@ -87,8 +89,8 @@ SCRIPT = textwrap.dedent("""
         assert tokens == tokens_g, (tokens, tokens_g)
         assert torch.allclose(torch.tensor(sum(logprobs, [])), torch.tensor(sum(logprobs_g, [])), atol=1e-5)
     graphs = llm.engine.runner.decode_step
-    assert graphs.batch_sizes == [1, 2, 4, 8], graphs.batch_sizes
-    assert sorted(recorded) == sorted(set(recorded)) == sorted(graphs.replays), recorded  # one recording per size
+    assert graphs.sizes == [1, 2, 4, 8], graphs.sizes
+    assert sorted(recorded) == sorted(set(recorded)) == sorted(size for size, _ in graphs.replays), recorded  # one per size
     assert 8 in recorded and 1 in recorded, recorded  # 5 sequences padded to 8 at first, the longest alone at the end
     assert len(replayed) >= 11, replayed  # every decode step after the first of its size replays (12 tokens: 11 decodes)
     assert llm.engine.blocks.num_free_blocks == 64
@@ -101,6 +103,56 @@ SCRIPT = textwrap.dedent("""
     assert llm.engine.runner.decode_step.failed and "stream is capturing" in llm.engine.runner.decode_step.failed
     assert sum("run eagerly" in str(w.message) for w in caught) == 1, [str(w.message) for w in caught]
     print("failed recording falls back to eager")
+
+    # Speculative decoding: a verification pass (the last token and k drafts, 1 + k rows per sequence) replays
+    # too, each row seeing its sequence up to itself. With an EAGLE head the graph also returns the hidden states
+    # the head reads: every sequence is handed the features a solo forward pass over its tokens gives.
+    from minfer.engine.engine import Engine
+    from minfer.speculative import EagleProposer
+    from minfer.speculative.eagle_head import eagle_from_target
+
+    spec_prompts = [{"prompt_token_ids": ([rng.randrange(3, 512) for _ in range(5)] * 4)[:rng.randint(6, 20)]}
+                    for _ in range(5)]
+    spec_params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 14, 9, 17, 11)]
+    llm = engine(None)
+    torch.manual_seed(0)
+    head = eagle_from_target(llm.model, torch.arange(511, -1, -1), feature_layers=(0,))
+
+    def speculative(proposer, recorder):
+        spec = Engine(llm.model, llm.tokenizer, device="cpu", block_size=4, max_num_seqs=5, num_gpu_blocks_override=64,
+                      enable_prefix_caching=False, speculative_model=proposer, num_speculative_tokens=3)
+        runner, served = spec.runner, []
+        runner.use_kernels = True
+        if recorder is not None:
+            graphs = runner.decode_step = DecodeGraphs(llm.model, runner.pool, 5, blocks_per_sequence(spec.config),
+                                                       max_query_len=4, record=recorder)
+            serves = graphs.serves
+            graphs.serves = lambda step: serves(step) and not served.append(max(s.query_len for s in step.paged.slices))
+        requests = llm._make_requests(spec_prompts, spec_params)
+        for request in requests:
+            spec.add_request(request)
+        while spec.has_unfinished_requests():
+            spec.step()
+        assert spec.blocks.num_free_blocks == 64
+        return [r.to_output().outputs[0].token_ids for r in requests], served, spec
+
+    for name, make in (("[ngram]", lambda: "[ngram]"), ("an EAGLE head", lambda: EagleProposer(head, 512))):
+        expected, _, _ = speculative(make(), None)
+        proposer, features = make(), []
+        if name != "[ngram]":
+            observe = proposer.observe
+            def checked(seq, first, hidden, observe=observe):
+                ids = torch.tensor([seq.token_ids_between(0, first + len(hidden))])  # drafts under verification too
+                solo = llm.model.hidden_states(ids, torch.arange(ids.shape[1])[None], keep_layers=(0,))[0, first:]
+                features.append(torch.allclose(hidden, solo, atol=1e-4))
+                observe(seq, first, hidden)
+            proposer.observe = checked
+        tokens, served, spec = speculative(proposer, stand_in)
+        assert tokens == expected, (name, tokens, expected)
+        longest = 2 if name == "[ngram]" else 4  # n-gram lookup finds one token to continue here, the head guesses 3
+        assert spec.spec_stats.num_draft_tokens > 0 and longest in served, (name, spec.spec_stats.num_draft_tokens, served)
+        assert all(features) and (name == "[ngram]" or len(features) > 10), features
+        print(f"speculative decoding with {name}: verification passes replayed ({len(served)} steps)")
 """)
 
 
@@ -109,6 +161,7 @@ def test_decode_graphs_replay_the_eager_step():
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "graph replays == eager" in done.stdout and "falls back to eager" in done.stdout
+    assert "with [ngram]: verification passes replayed" in done.stdout and "with an EAGLE head: verification" in done.stdout
 
 
 def test_graphs_only_where_they_can_record(random_tiny_dir, tmp_path):
@@ -146,10 +199,23 @@ def test_cuda_graphs_on_a_gpu(random_tiny_dir):
         if not eager:
             graphs = llm.engine.runner.decode_step
             assert graphs is not None and graphs.failed is None, graphs and graphs.failed
-            assert 8 in graphs.replays and 1 in graphs.replays, sorted(graphs.replays)
+            assert (8, None) in graphs.replays and (1, None) in graphs.replays, sorted(graphs.replays)
     for (tokens, logprobs), (tokens_g, logprobs_g) in zip(results[True], results[None]):
         assert tokens == tokens_g
         assert torch.allclose(torch.tensor(logprobs), torch.tensor(logprobs_g), atol=1e-4)
+    # speculative decoding: the verification passes (1 + k rows per sequence) are recorded and replayed too
+    repeating = [{"prompt_token_ids": [3 + i, 9, 4, 7] * 5} for i in range(5)]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    spec = {}
+    for eager in (True, None):
+        llm = LLM(random_tiny_dir, dtype="float32", device="cuda", max_num_seqs=5, enforce_eager=eager,
+                  speculative_model="[ngram]", num_speculative_tokens=3)
+        with torch.no_grad():
+            llm.model.norm.weight.mul_(30)
+        spec[eager] = [o.outputs[0].token_ids for o in llm.generate(repeating, greedy, use_tqdm=False)]
+    graphs = llm.engine.runner.decode_step
+    assert graphs.failed is None and graphs.max_query_len == 4 and llm.engine.spec_stats.num_draft_tokens > 0
+    assert spec[True] == spec[None]
 
 
 def test_the_decode_path_is_chosen_once_cuda_graphs_by_default_on_cuda(random_tiny_dir):

@@ -17,7 +17,7 @@ Two things keep the graph traceable and its shapes few:
   that nothing reads, and attention skips them), so one graph per bucket serves every batch.
 
 Only steps in which every sequence decodes one plain token are compiled; prompt chunks,
-speculative verification and prompt scoring run eagerly. Whether compiling pays depends on the
+speculative verification, prompt scoring and steps that hand hidden states to an EAGLE head run eagerly. Whether compiling pays depends on the
 device and on how long the process lives (compiling the buckets takes tens of seconds on a CPU;
 `docs/benchmarks.md` has the measurements behind the defaults in `ModelRunner`).
 """
@@ -83,11 +83,13 @@ class CompiledDecode:
 
     @staticmethod
     def serves(step) -> bool:
-        """Whether a prepared step is one the compiled model runs: plain decodes, padded to a bucket it compiles."""
-        return step.plain_decode and step.input_ids.shape[1] <= MAX_COMPILED_TOKENS
+        """Whether a prepared step is one the compiled model runs: plain decodes, padded to a bucket it compiles,
+        that need no hidden states."""
+        return step.plain_decode and step.hidden_layers is None and step.input_ids.shape[1] <= MAX_COMPILED_TOKENS
 
-    def __call__(self, step) -> torch.Tensor:
-        """Logits [len(step.logits_indices), vocab] of a decode step (padded to a bucket), as the eager model gives them."""
+    def __call__(self, step) -> tuple[torch.Tensor, None]:
+        """(logits [len(step.logits_indices), vocab] of a decode step (padded to a bucket), as the eager model gives
+        them, no hidden states)."""
         with active(step.paged, self.model.attention_fn), torch.inference_mode():  # freezing needs it
             logits = self.forward(step.input_ids, step.positions)
-        return logits[0, step.logits_indices]
+        return logits[0, step.logits_indices], None

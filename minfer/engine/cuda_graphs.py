@@ -10,18 +10,27 @@ What a recording fixes: every kernel's arguments, pointers included, and so ever
 
 * **Fixed buffers.** The step's inputs (token ids, positions, KV slots, block tables, context
   lengths) live in tensors allocated once; each replay first copies the step's values into them,
-  and the recorded kernels read them there. The output (logits) is a fixed tensor too.
-* **One graph per batch size**, the sizes of `minfer.engine.buckets` up to `max_num_seqs`. A step
-  of n sequences replays the graph of the smallest bucket that holds n; the extra rows store
-  nothing (slot -1) and attend to one token, and nobody reads their logits.
+  and the recorded kernels read them there. The outputs (logits, and the hidden states an EAGLE
+  head reads) are fixed tensors too.
+* **Every token is a decode row.** A row holds one new token, its sequence's block table and how
+  many tokens it may see: its own position + 1. A plain decode step has one row per sequence; a
+  speculative verification pass (the last token and k drafts) has 1 + k rows per sequence, all
+  stored before any is attended to, so each row sees its sequence up to itself and no further,
+  which is the causal mask. Graphs therefore serve every step whose sequences bring at most
+  `max_query_len` tokens (1 + num_speculative_tokens): the target's side of speculative decoding
+  replays too, not only plain decoding.
+* **One graph per row count**, the sizes of `minfer.engine.buckets` up to max_num_seqs x
+  max_query_len. A step of n rows replays the graph of the smallest size that holds n; the extra
+  rows store nothing (slot -1) and attend to one token, and nobody reads their outputs.
 * **Nothing may wait for the GPU inside the step** (no `.item()`, no tensor built from Python
   numbers): the dense model with the Triton paged kernels qualifies (`attend_with_kernels`);
   mixture-of-experts layers, whose token counts per expert decide shapes, do not, and are served by
   the compiled step instead (`compiled_decode.py`).
 
-Graphs are recorded lazily: the first decode step of each batch size runs the step once (Triton
-compiles its kernels there; compiling cannot be recorded), records it and replays it. All graphs
-share one memory pool, so together they hold about what the largest one needs.
+Graphs are recorded lazily: the first step of each size runs once (Triton compiles its kernels
+there; compiling cannot be recorded), is recorded and replayed. A step that must also return hidden
+states (`PreparedStep.hidden_layers`) has graphs of its own. All graphs share one memory pool, so
+together they hold about what the largest one needs, besides their outputs.
 """
 from __future__ import annotations
 
@@ -35,12 +44,12 @@ from minfer.engine.paged_kv import KVPool, attend_with_kernels
 from minfer.layers.attention import AttentionFn
 from minfer.models.llama import LlamaModel
 
-# record(run, memory_pool) -> (replay, output, memory_pool): run() computes the step's logits.
-Recorder = Callable[[Callable[[], torch.Tensor], Optional[tuple]], tuple[Callable[[], None], torch.Tensor, Optional[tuple]]]
+# record(run, memory_pool) -> (replay, outputs, memory_pool): run() computes the step's (logits, hidden states or None).
+Recorder = Callable[[Callable[[], tuple], Optional[tuple]], tuple[Callable[[], None], tuple, Optional[tuple]]]
 
 
-def record_cuda_graph(run: Callable[[], torch.Tensor], memory_pool: Optional[tuple]):
-    """Record run()'s kernels as a CUDA graph in the shared memory pool; its output tensor is rewritten by each replay."""
+def record_cuda_graph(run: Callable[[], tuple], memory_pool: Optional[tuple]):
+    """Record run()'s kernels as a CUDA graph in the shared memory pool; its output tensors are rewritten by each replay."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=memory_pool):
         output = run()
@@ -65,16 +74,19 @@ class GraphStep:
 
 class DecodeGraphs:
     def __init__(self, model: LlamaModel, pool: KVPool, max_num_seqs: int, max_blocks_per_seq: int,
-                 record: Recorder = record_cuda_graph) -> None:
-        self.model, self.pool, self.record = model, pool, record
-        self.batch_sizes = sorted({b for b in TOKEN_BUCKETS if b < max_num_seqs} | {bucket_for(max_num_seqs)})
-        largest, device = self.batch_sizes[-1], pool.k.device
+                 record: Recorder = record_cuda_graph, max_query_len: int = 1) -> None:
+        """max_query_len: the most new tokens a sequence brings to a served step (1 + its speculative drafts)."""
+        self.model, self.pool, self.record, self.max_query_len = model, pool, record, max_query_len
+        most = max_num_seqs * max_query_len
+        self.sizes = sorted({b for b in TOKEN_BUCKETS if b < most} | {bucket_for(most)})  # rows per recording
+        largest, device = self.sizes[-1], pool.k.device
         self.input_ids = torch.zeros(1, largest, dtype=torch.long, device=device)
         self.positions = torch.zeros(1, largest, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=device)
         self.block_tables = torch.zeros(largest, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.context_lens = torch.ones(largest, dtype=torch.int32, device=device)
-        self.replays: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}  # batch size -> (replay, logits)
+        # (rows, hidden layers or None) -> (replay, (logits [1, rows, vocab], hidden states [1, rows, width] or None))
+        self.replays: dict[tuple[int, Optional[tuple[int, ...]]], tuple[Callable[[], None], tuple]] = {}
         self.memory_pool: Optional[tuple] = None
         self.failed: Optional[str] = None  # why recording failed: every step then runs eagerly
 
@@ -84,42 +96,53 @@ class DecodeGraphs:
         return not model.config.sparse_layers
 
     def serves(self, step) -> bool:
-        """Whether this prepared step can be replayed: plain decodes on the kernel path that fit the buffers."""
+        """Whether this prepared step can be replayed: on the kernel path, at most max_query_len tokens per
+        sequence, and no more rows or blocks than the buffers hold."""
         paged = step.paged
-        return (self.failed is None and step.plain_decode and paged.use_kernels and bool(paged.decodes)
-                and paged.num_tokens <= self.batch_sizes[-1] and paged.decode_tables.shape[1] <= self.block_tables.shape[1])
+        return (self.failed is None and paged.use_kernels and paged.num_tokens <= self.sizes[-1]
+                and all(s.query_len <= self.max_query_len for s in paged.slices)
+                and paged.token_tables.shape[1] <= self.block_tables.shape[1])
 
-    def __call__(self, step) -> Optional[torch.Tensor]:
-        """Logits [len(step.logits_indices), vocab] of a decode step, as the eager model gives them; None if
-        the step's graph could not be recorded (the caller then runs the step eagerly)."""
+    def __call__(self, step) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """(logits [len(step.logits_indices), vocab], and with step.hidden_layers the hidden states [tokens, width])
+        as the eager model gives them; None if the step's graph could not be recorded (the caller then runs
+        the step eagerly)."""
         paged = step.paged
-        num_seqs = paged.num_tokens
-        size = bucket_for(num_seqs)  # one of batch_sizes: serves() kept num_seqs within the largest
-        self.input_ids[:, :num_seqs] = step.input_ids[:, :num_seqs]
-        self.positions[:, :num_seqs] = step.positions[:, :num_seqs]
-        self.slot_mapping[:num_seqs] = paged.slot_mapping
-        self.slot_mapping[num_seqs:size] = -1  # extra rows store nothing...
-        self.block_tables[:num_seqs, :paged.decode_tables.shape[1]] = paged.decode_tables
-        self.context_lens[:num_seqs] = paged.decode_lens
-        self.context_lens[num_seqs:size] = 1  # ...and read one token of whatever block their row names
-        if size not in self.replays and not self._record(size):
+        rows = paged.num_tokens
+        size = bucket_for(rows)  # one of sizes: serves() kept the rows within the largest
+        tables = paged.token_tables
+        self.input_ids[:, :rows] = step.input_ids[:, :rows]
+        self.positions[:, :rows] = step.positions[:, :rows]
+        self.slot_mapping[:rows] = paged.slot_mapping
+        self.slot_mapping[rows:size] = -1  # extra rows store nothing...
+        self.block_tables[:rows, :tables.shape[1]] = tables
+        self.context_lens[:rows] = step.positions[0, :rows] + 1  # each row sees its sequence up to itself
+        self.context_lens[rows:size] = 1  # ...and read one token of whatever block their row names
+        key = (size, step.hidden_layers)
+        if key not in self.replays and not self._record(*key):
             return None
-        replay, logits = self.replays[size]
+        replay, (logits, hidden) = self.replays[key]
         replay()
-        return logits[0, step.logits_indices]
+        # copies: the next replay rewrites the outputs
+        return logits[0, step.logits_indices], None if hidden is None else hidden[0, :rows].clone()
 
-    def _record(self, size: int) -> bool:
+    def _record(self, size: int, hidden_layers: Optional[tuple[int, ...]]) -> bool:
         step = GraphStep(self.pool, self.slot_mapping[:size], self.block_tables[:size], self.context_lens[:size])
+        input_ids, positions, model = self.input_ids[:, :size], self.positions[:, :size], self.model
 
-        def run() -> torch.Tensor:
-            return self.model(self.input_ids[:, :size], self.positions[:, :size], step, last_only=False)
+        @torch.inference_mode()
+        def run() -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+            if hidden_layers is None:
+                return model(input_ids, positions, step, last_only=False), None
+            hidden = model.hidden_states(input_ids, positions, step, keep_layers=hidden_layers)
+            return model.logits(hidden[..., -model.config.hidden_size:]), hidden
 
         try:
             run()  # once outside the recording: Triton compiles its kernels, PyTorch sets up its workspaces
-            replay, logits, self.memory_pool = self.record(run, self.memory_pool)
+            replay, outputs, self.memory_pool = self.record(run, self.memory_pool)
         except RuntimeError as error:  # e.g. an operation that waits for the GPU, or out of memory
-            self.failed = f"recording the decode step of {size} sequences failed: {error}"
+            self.failed = f"recording the decode step of {size} rows failed: {error}"
             warnings.warn(f"{self.failed}; decode steps run eagerly from now on", RuntimeWarning, stacklevel=3)
             return False
-        self.replays[size] = (replay, logits)
+        self.replays[size, hidden_layers] = (replay, outputs)
         return True

@@ -12,8 +12,9 @@ sequences and tokens:
 * the forward pass, with logits only where someone reads them;
 * batched sampling: one call draws the next token of every sequence that gets one, each row with
   its own settings and its own random generator;
-* the decode path, chosen once: steps replayed as CUDA graphs on CUDA (`cuda_graphs.py`, the default
-  there), through the compiled model with enforce_eager=False elsewhere (`compiled_decode.py`), or eager.
+* the decode path, chosen once: decode steps and speculative verification passes replayed as CUDA graphs
+  on CUDA (`cuda_graphs.py`, the default there), plain decode steps through the compiled model with
+  enforce_eager=False elsewhere (`compiled_decode.py`), or eager.
 
     runner = ModelRunner(model, config)
     step = runner.run(batch)        # batch: [(sequence, new tokens), ...] from the scheduler
@@ -72,6 +73,7 @@ class PreparedStep:
     sampled: list[tuple[Sequence, slice]] = field(default_factory=list)  # logits rows of each sampled sequence
     scored: list[tuple[Sequence, int, int]] = field(default_factory=list)
     seqs: list[Sequence] = field(default_factory=list)  # the scheduled sequences in paged.slices' order (prepare sorts)
+    hidden_layers: Optional[tuple[int, ...]] = None  # hidden states wanted too, after these layers' outputs; None: not
 
     @property
     def plain_decode(self) -> bool:
@@ -124,8 +126,8 @@ class ModelRunner:
     graphs_allowed = True  # False where each step must also run elsewhere (tensor parallelism's workers run eagerly)
 
     def _choose_decode_step(self) -> Optional[DecodeGraphs | CompiledDecode]:
-        """How plain decode steps run, chosen once: replayed as CUDA graphs, through the compiled model,
-        or None (eagerly, like every other step). Both fast paths answer `serves(step)` and `__call__(step)`.
+        """How decode steps run, chosen once: replayed as CUDA graphs (verification passes too), through the
+        compiled model, or None (eagerly, like every other step). Both fast paths answer `serves(step)` and `__call__(step)`.
 
         enforce_eager None (the default, as in vLLM): CUDA graphs on CUDA where a recording can follow
         the step (a dense model on the Triton kernels), else eager; compiling on a CPU costs tens of
@@ -137,7 +139,8 @@ class ModelRunner:
         if eager is True or (eager is None and not graphs):
             return None
         if graphs:
-            return DecodeGraphs(self.model, self.pool, self.config.max_num_seqs, blocks_per_sequence(self.config))
+            return DecodeGraphs(self.model, self.pool, self.config.max_num_seqs, blocks_per_sequence(self.config),
+                                max_query_len=1 + (self.config.num_speculative_tokens or 0))
         return CompiledDecode(self.model)
 
     def _blocks_for_memory(self) -> int:
@@ -175,9 +178,10 @@ class ModelRunner:
         return self.device.type == "cuda" and self.model.attention_fn is attention_sdpa
 
     # ---------------------------------------------------------------- one step
-    def prepare(self, batch: list[tuple[Sequence, int]]) -> PreparedStep:
+    def prepare(self, batch: list[tuple[Sequence, int]], hidden_layers: Optional[tuple[int, ...]] = None) -> PreparedStep:
         """Pack the scheduled (sequence, new tokens) pairs: prefill chunks first, then decodes by
         increasing context length (the gather path serves decodes of similar lengths together).
+        hidden_layers: the step returns hidden states too (`run`'s keep_hidden).
 
         Per sequence this is a few Python operations on numbers it already holds (a decode brings
         one token, at one position); its block table comes from `BlockTables`, written only where it
@@ -211,7 +215,8 @@ class ModelRunner:
             input_ids, positions = input_ids + [0] * padding, positions + [0] * padding
             logits_rows = logits_rows + [0] * (bucket_for(len(logits_rows)) - len(logits_rows)) if logits_rows else []
         return PreparedStep(torch.tensor([input_ids], device=device), torch.tensor([positions], device=device), paged,
-                            torch.tensor(logits_rows, dtype=torch.long, device=device), sampled, scored, seqs)
+                            torch.tensor(logits_rows, dtype=torch.long, device=device), sampled, scored, seqs,
+                            hidden_layers)
 
     def release(self, seq: Sequence) -> None:
         """A sequence has left the engine: forget its block table's row."""
@@ -223,19 +228,20 @@ class ModelRunner:
 
         mask_logits(logits, grammars): forbids, in place, the tokens that each row's grammar (its
         sequence's structured-output matcher, or None) does not allow, before sampling.
-        keep_hidden: also return every new token's pre-norm hidden state (StepOutput.hidden); such steps run eagerly.
+        keep_hidden: also return every new token's pre-norm hidden state (StepOutput.hidden).
         hidden_layers: with keep_hidden, earlier layers whose outputs come first in each row (`LlamaModel.hidden_states`)."""
-        step = self.prepare(batch)
-        fast = None if keep_hidden else self.decode_step
-        logits = fast(step) if fast is not None and fast.serves(step) else None
-        hidden = []
-        if logits is None and keep_hidden:
+        step = self.prepare(batch, tuple(hidden_layers) if keep_hidden else None)
+        fast = self.decode_step
+        served = fast(step) if fast is not None and fast.serves(step) else None
+        if served is not None:
+            logits, states = served
+        elif keep_hidden:  # not a step the fast path serves (or its recording failed): eagerly
             states = self.model.hidden_states(step.input_ids, step.positions, step.paged, keep_layers=hidden_layers)[0]
             logits = self.model.logits(states[step.logits_indices, -self.model.config.hidden_size:])
-            hidden = [(seq, s.context_len - s.query_len, states[s.query_start:s.query_start + s.query_len])
-                      for seq, s in zip(step.seqs, step.paged.slices)]
-        elif logits is None:  # not a step the fast path serves (or its recording failed): eagerly
+        else:
             logits = self.model(step.input_ids, step.positions, step.paged, logits_indices=step.logits_indices)[0]
+        hidden = ([(seq, s.context_len - s.query_len, states[s.query_start:s.query_start + s.query_len])
+                   for seq, s in zip(step.seqs, step.paged.slices)] if keep_hidden else [])
         tokens: list[Optional[int]] = [None] * len(step.sampled)
         plain = [i for i, (seq, _) in enumerate(step.sampled) if not seq.spec_token_ids]
         if plain:

@@ -170,9 +170,11 @@ class PagedStep:
         self.decode_start = self.decodes[0].query_start if self.decodes else len(positions)
         device = pool.k.device
         tables = block_tables(slices) if tables is None else tables
-        # each token's sequence's table (a decode-only step has one token per sequence already)
-        token_rows = tables.repeat_interleave(torch.tensor([s.query_len for s in slices]), dim=0) if self.prefills else tables
-        self.slot_mapping = slots_for_positions(token_rows, positions, pool.block_size).to(device)
+        # each token's sequence's table, int32 on the CPU (a decode-only step has one token per sequence already):
+        # where its KV goes, and what a CUDA graph's step reads (`minfer.engine.cuda_graphs`)
+        self.token_tables = (tables.repeat_interleave(torch.tensor([s.query_len for s in slices]), dim=0)
+                             if self.prefills else tables)
+        self.slot_mapping = slots_for_positions(self.token_tables, positions, pool.block_size).to(device)
         if use_kernels:  # one kernel call for all prefills, one for all decodes
             split = len(self.prefills)
             if self.prefills:

@@ -47,6 +47,7 @@ import traceback
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -196,8 +197,8 @@ class ParallelModelRunner(ModelRunner):
         workers.call("make_pool", PoolSpec(self.pool.num_blocks, config.block_size, config.kv_cache_dtype,
                                            config.bucket_step_shapes))
 
-    def prepare(self, batch: list[tuple[Sequence, int]]) -> PreparedStep:
-        step = super().prepare(batch)
+    def prepare(self, batch: list[tuple[Sequence, int]], hidden_layers: Optional[tuple[int, ...]] = None) -> PreparedStep:
+        step = super().prepare(batch, hidden_layers)
         paged = step.paged
         self.workers.call("step", StepInputs(step.input_ids[0].tolist(), step.positions[0].tolist(), paged.num_tokens,
                                              paged.slices, paged.use_kernels))
