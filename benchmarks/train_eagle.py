@@ -84,7 +84,7 @@ def target_features(target, rows: torch.Tensor, batch_size: int, layers: tuple[i
 
 
 def head_loss(head: EagleHead, ids: torch.Tensor, features: torch.Tensor, scale: float, noise: float,
-              kl_weight: float, depth: int = 1) -> torch.Tensor:
+              kl_weight: float, depth: int = 1, regression_weight: float = 1.0) -> torch.Tensor:
     """Row t reads (feature t, token t+1) and predicts feature t+1 and the target's distribution there.
     The features are regressed after the final norm: a few channels of the raw features are hundreds of
     times larger than the rest and would decide a raw regression alone. depth > 1 adds the training-time
@@ -99,7 +99,8 @@ def head_loss(head: EagleHead, ids: torch.Tensor, features: torch.Tensor, scale:
         for j, guess in enumerate(chained_guesses(head, head.read_features(inputs), ids, depth)):
             predicted = guess[:, :chains - j]  # the chains whose guess j exists
             regression = F.smooth_l1_loss(head.norm(predicted.float()), head.norm(wanted[:, j:]))
-            loss = loss + 0.8 ** j * (regression + kl_weight * distillation_loss(head.logits(predicted), teacher[:, j:]))
+            token_loss = distillation_loss(head.logits(predicted), teacher[:, j:])
+            loss = loss + 0.8 ** j * (regression_weight * regression + kl_weight * token_loss)
     return loss
 
 
@@ -177,6 +178,8 @@ def main(argv=None) -> int:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--noise", type=float, default=0.1, help="uniform noise on input features, x a typical channel's size")
     parser.add_argument("--kl-weight", type=float, default=1.0)
+    parser.add_argument("--regression-weight", type=float, default=1.0,
+                        help="weight of the feature regression (EAGLE-3 trains on the token loss alone: 0)")
     parser.add_argument("--chain-steps", type=int, default=800,
                         help="then this many steps of the training-time test (ChainCache): chains of guesses")
     parser.add_argument("--chain-depth", type=int, default=3, help="guesses per chain in those steps")
@@ -241,7 +244,8 @@ def main(argv=None) -> int:
         opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
         bar = tqdm(total=steps, desc=f"training the head, {depth} guess(es) per chain")
         losses += run_training(opt, Batches(), steps, 20,
-                               lambda b: head_loss(head, rows[b], features[b], scale, args.noise, args.kl_weight, depth),
+                               lambda b: head_loss(head, rows[b], features[b], scale, args.noise, args.kl_weight, depth,
+                                                   args.regression_weight),
                                on_step=lambda s, loss: (bar.update(1), bar.set_postfix(loss=f"{loss:.3f}")), clip=trainable)
         bar.close()
     head.eval()

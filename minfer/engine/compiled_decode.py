@@ -17,9 +17,10 @@ Two things keep the graph traceable and its shapes few:
   that nothing reads, and attention skips them), so one graph per bucket serves every batch.
 
 Only steps in which every sequence decodes one plain token are compiled; prompt chunks,
-speculative verification, prompt scoring and steps that hand hidden states to an EAGLE head run eagerly. Whether compiling pays depends on the
-device and on how long the process lives (compiling the buckets takes tens of seconds on a CPU;
-`docs/benchmarks.md` has the measurements behind the defaults in `ModelRunner`).
+speculative verification, prompt scoring and steps that hand hidden states to an EAGLE head run
+eagerly. Whether compiling pays depends on the device and on how long the process lives (compiling
+the buckets takes tens of seconds on a CPU; `docs/benchmarks.md` has the measurements behind the
+defaults in `ModelRunner`).
 """
 from __future__ import annotations
 
