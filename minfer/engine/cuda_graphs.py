@@ -18,7 +18,9 @@ What a recording fixes: every kernel's arguments, pointers included, and so ever
   stored before any is attended to, so each row sees its sequence up to itself and no further,
   which is the causal mask. Graphs therefore serve every step whose sequences bring at most
   `max_query_len` tokens (1 + num_speculative_tokens): the target's side of speculative decoding
-  replays too, not only plain decoding.
+  replays too, not only plain decoding. The price: each row reads its sequence's K/V itself, so a
+  verification pass reads a sequence's cache 1 + k times where the eager prefill kernel reads it
+  once. At small batches, where speculation pays, the launches saved weigh far more.
 * **One graph per row count**, the sizes of `minfer.engine.buckets` up to max_num_seqs x
   max_query_len. A step of n rows replays the graph of the smallest size that holds n; the extra
   rows store nothing (slot -1) and attend to one token, and nobody reads their outputs.
