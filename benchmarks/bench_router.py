@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 from pathlib import Path
 
 import torch
 
 from minfer import LLM
-from minfer.lab.bench.common import write_docs_section
+from minfer.lab.bench.common import machine_info, write_docs_section
 from minfer.lab.bench.router import CHEAP_MODELS, RouterStudy, build_cheap_model, cheapest_study, study_router
 from minfer.lab.router_tasks import answer_tasks, make_tasks
 
@@ -44,7 +43,7 @@ def run(per_kind: int, max_tokens: int, candidates: list[str], dtype: str) -> di
         studies[name] = study_router(name, cheap, full, cheap_rows[name], full_rows)
         del cheap
     best = cheapest_study(list(studies.values()))
-    return {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+    return {"machine": machine_info()["cpu"], "threads": torch.get_num_threads(),
             "dtype": dtype, "max_tokens": max_tokens, "num_tasks": len(tasks),
             "full_accuracy": best.full_accuracy, "candidates": {n: s.summary() for n, s in studies.items()},
             "chosen": best.name, "operating_point": best.operating_point.__dict__,
