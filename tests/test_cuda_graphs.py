@@ -108,7 +108,7 @@ SCRIPT = textwrap.dedent("""
     # too, each row seeing its sequence up to itself. With an EAGLE head the graph also returns the hidden states
     # the head reads: every sequence is handed the features a solo forward pass over its tokens gives.
     from minfer.engine.engine import Engine
-    from minfer.speculative import EagleProposer
+    from minfer.speculative import DraftModelProposer, EagleProposer
     from minfer.speculative.eagle_head import eagle_from_target
 
     spec_prompts = [{"prompt_token_ids": ([rng.randrange(3, 512) for _ in range(5)] * 4)[:rng.randint(6, 20)]}
@@ -153,6 +153,21 @@ SCRIPT = textwrap.dedent("""
         assert spec.spec_stats.num_draft_tokens > 0 and longest in served, (name, spec.spec_stats.num_draft_tokens, served)
         assert all(features) and (name == "[ngram]" or len(features) > 10), features
         print(f"speculative decoding with {name}: verification passes replayed ({len(served)} steps)")
+
+    # A draft model's steps replay too: the target as its own draft guesses exactly its greedy tokens, so every
+    # guess is accepted only if the draft's replayed steps compute what eager ones do.
+    def own_draft(recorder):
+        proposer = DraftModelProposer(llm.model, 512, block_size=4, use_graphs=recorder is not None,
+                                      record=recorder or stand_in)
+        proposer.use_kernels = True
+        return proposer
+
+    expected, _, _ = speculative(own_draft(None), None)
+    draft = own_draft(stand_in)
+    tokens, served, spec = speculative(draft, stand_in)
+    assert tokens == expected and spec.spec_stats.draft_acceptance_rate == 1.0, spec.spec_stats.draft_acceptance_rate
+    assert draft.graphs is not None and draft.graphs.failed is None and len(draft.graphs.replays) >= 2, draft.graphs.replays
+    print(f"draft model steps replayed: {sorted(size for size, _ in draft.graphs.replays)} rows")
 """)
 
 
@@ -162,6 +177,7 @@ def test_decode_graphs_replay_the_eager_step():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "graph replays == eager" in done.stdout and "falls back to eager" in done.stdout
     assert "with [ngram]: verification passes replayed" in done.stdout and "with an EAGLE head: verification" in done.stdout
+    assert "draft model steps replayed" in done.stdout
 
 
 def test_graphs_only_where_they_can_record(random_tiny_dir, tmp_path):

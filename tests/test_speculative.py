@@ -244,6 +244,8 @@ def test_tight_pool_with_preemption_equals_plain(tiny_llm):
                               max_num_seqs=8, max_num_batched_tokens=32)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert engine.scheduler.num_preemptions > 0
+    draft_blocks = engine.proposer.blocks  # every sequence gave the draft's blocks back as it finished
+    assert sorted(draft_blocks.free) == list(range(draft_blocks.pool.num_blocks))
     # measured 0.74 (a lightly perturbed copy of the target): 3x headroom on acceptance and on rejection
     assert 0.25 < engine.spec_stats.draft_acceptance_rate < 0.91
     finals = [p["prompt_token_ids"] + o.token_ids for p, o in zip(prompts, spec)]
@@ -436,6 +438,22 @@ def test_seeded_sampling_with_speculation_is_reproducible(tiny_llm, tiny_small_v
     assert alone.outputs[0].token_ids != alone.outputs[1].token_ids
     assert all(len(o.token_ids) == 30 for o in alone.outputs)
     assert llm.engine.spec_stats.draft_acceptance_rate > 0.19  # measured 0.57 (36 of 63): 3x headroom
+
+
+def test_the_drafts_pool_grows_and_keeps_what_it_holds(tiny_llm):
+    """Out of blocks, the draft's pool doubles: the K/V already stored move with it, blocks come lowest first."""
+    from minfer.speculative.draft_model import DraftPool
+
+    blocks = DraftPool(tiny_llm().model, 2, 4)
+    first, second = [], []
+    blocks.extend(first, 7)  # two blocks: the whole pool
+    blocks.pool.k[:, :, first] = 1.5
+    blocks.extend(second, 5)  # two more: the pool doubles
+    assert first == [0, 1] and second == [2, 3] and blocks.pool.num_blocks == 4 and not blocks.free
+    assert (blocks.pool.k[:, :, first] == 1.5).all() and (blocks.pool.k[:, :, second] == 0).all()
+    blocks.release(first)
+    blocks.extend(second, 12)  # three blocks: the freed ones come back lowest first
+    assert second == [2, 3, 0] and first == [] and blocks.free == [1]
 
 
 class ScalarReads(TorchDispatchMode):

@@ -7,7 +7,7 @@ of a single target pass.
 
     proposer.py    the interface: propose(seqs, num_tokens) -> [(token ids, draft probs or None)]
     ngram.py       prompt lookup: continue the latest earlier match of the last n tokens
-    draft_model.py a small model with the same vocabulary, with a per-sequence KV cache
+    draft_model.py a small model with the same vocabulary, in a paged KV pool of its own, every sequence in one batch
     rejection.py   the acceptance rule (lossless) and greedy verification
     stats.py       acceptance rate, mean acceptance length, acceptance per position
     pruned_draft.py the shipped draft's shape (target layers, pruned; a top-K head), saved and loaded by name

@@ -1,11 +1,20 @@
-"""A draft model: a small LM with the target's vocabulary guesses k tokens, one at a time.
+"""A draft model: a small LM with the target's vocabulary guesses k tokens for every drafting sequence at once.
 
-Each sequence gets its own small contiguous KV cache for the draft (this file's choice: simpler
-than giving the draft a paged pool of its own, and the draft's cache is tiny). The cache
-remembers which tokens it holds. Before each proposal it keeps the longest prefix that still
-agrees with the sequence (the target may have rejected some of the draft's guesses: rolling
-back is just moving the cache's length back) and feeds the draft whatever is new: the whole
-prompt the first time, afterwards the one to k+1 tokens the last verification emitted.
+The draft keeps its K/V the way the target does: in a paged pool of its own (`KVPool`), each sequence
+with its own block table (`DraftPool`, which hands out blocks and doubles the pool when it runs out).
+Each sequence remembers which tokens its blocks hold. Before each proposal it keeps the longest prefix
+that still agrees with the sequence (the target may have rejected some of the draft's guesses: rolling
+back is just forgetting the positions past it, whose slots are overwritten later) and feeds the draft
+whatever is new: the whole prompt the first time, afterwards the one to k+1 tokens the last
+verification emitted.
+
+A proposal is k batched steps over all drafting sequences (`minfer.engine.paged_kv.PagedStep`, the
+target's attention path): the first feeds each sequence's new tokens and guesses from its last one;
+each further step feeds every sequence its previous guess, one row each. The guesses stay on the
+device until the last step: one transfer to the host per proposal, so a GPU never waits for the host
+between the draft's steps. On CUDA those steps replay as CUDA graphs (`minfer.engine.cuda_graphs`):
+every row is a decode row, the k-1 one-token steps always qualify, and so do catch-ups of up to
+`max_query_len` tokens.
 
 The draft samples with the request's own settings (temperature, top-k, top-p, min-p) and its
 own generator, and returns the processed distributions it sampled from: the verifier needs
@@ -14,17 +23,19 @@ q(x) for min(1, p(x)/q(x)). In greedy mode it takes the argmax and returns no di
 A draft may have a reduced output head over the K most frequent tokens (`head_token_ids`, a
 LongTensor [K] of target token ids): its logits are scattered into the full vocabulary with
 -inf elsewhere, so it simply never proposes the other tokens. Acceptance stays exact.
-
-Sequences are drafted one after another (batch 1 each); batching the draft across sequences
-would need padding or a paged pool, and the engine's main use for a draft is low batch sizes.
 """
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
-from minfer.kv_cache import KVCache
+from minfer.engine.cuda_graphs import DecodeGraphs, Recorder, record_cuda_graph
+from minfer.engine.model_runner import PreparedStep
+from minfer.engine.paged_kv import KVPool, PagedStep, SequenceSlice
+from minfer.layers.attention import attention_sdpa
 from minfer.layers.sampler import draw
 from minfer.models.llama import LlamaModel
 from minfer.sequence import Sequence
@@ -32,62 +43,167 @@ from minfer.speculative.proposer import Proposal, Proposer
 from minfer.speculative.rejection import processed_probs
 
 
+class DraftPool:
+    """The draft's KV pool and its free blocks. Out of blocks, it doubles: a new pool, the old contents copied in."""
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
+        self.model, self.block_size = model, block_size
+        weight = model.embed_tokens.weight
+        self.pool = KVPool(model.config, num_blocks, block_size, weight.dtype, weight.device)
+        self.free = list(range(num_blocks))
+
+    def extend(self, table: list[int], num_tokens: int) -> None:
+        """Give `table` the blocks that num_tokens positions need (lowest free blocks first, so that a
+        sequence's blocks tend to follow each other and the CPU path reads them in place)."""
+        wanted = -(-num_tokens // self.block_size) - len(table)
+        if wanted <= 0:
+            return
+        while len(self.free) < wanted:
+            self._grow()
+        self.free.sort()
+        table += self.free[:wanted]
+        del self.free[:wanted]
+
+    def release(self, table: list[int]) -> None:
+        self.free += table
+        table.clear()
+
+    def _grow(self) -> None:
+        old = self.pool
+        self.pool = KVPool(self.model.config, 2 * old.num_blocks, self.block_size, old.dtype, old.k.device)
+        self.pool.k[:, :, :old.num_blocks] = old.k  # heads-first: [layers, kv_heads, blocks, block_size, dim]
+        self.pool.v[:, :, :old.num_blocks] = old.v
+        self.free += range(old.num_blocks, self.pool.num_blocks)
+
+
+@dataclass
+class DraftState:
+    """One sequence's blocks in the draft's pool, and the tokens whose K/V they hold, in order."""
+
+    block_table: list[int] = field(default_factory=list)
+    held: list[int] = field(default_factory=list)
+
+
 class DraftModelProposer(Proposer):
-    def __init__(self, model: LlamaModel, vocab_size: int) -> None:
-        """vocab_size: the target's (the size of the distributions handed to the verifier)."""
+    def __init__(self, model: LlamaModel, vocab_size: int, block_size: int = 16, max_num_seqs: int = 8,
+                 max_query_len: int = 8, use_graphs: Optional[bool] = None, record: Recorder = record_cuda_graph) -> None:
+        """vocab_size: the target's (the size of the distributions handed to the verifier). max_num_seqs,
+        max_query_len: the largest steps CUDA graphs are recorded for (larger ones run eagerly). use_graphs:
+        None means on CUDA; record: how a graph is recorded (`minfer.engine.cuda_graphs`)."""
         self.model, self.vocab_size = model, vocab_size
         self.head_token_ids = getattr(model, "head_token_ids", None)
-        self.state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # seq -> (KVCache, token ids it holds)
+        self.blocks = DraftPool(model, 64, block_size)
+        self.device = model.embed_tokens.weight.device
+        self.use_kernels = self.device.type == "cuda" and model.attention_fn is attention_sdpa
+        if use_graphs is None:
+            use_graphs = self.use_kernels and DecodeGraphs.supports(model)
+        self.graph_shape = (max_num_seqs, max_query_len, record) if use_graphs else None
+        self.graphs: Optional[DecodeGraphs] = None  # recorded for the current pool (a grown pool records anew)
+        self.state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # seq -> DraftState
 
     def release(self, seq: Sequence) -> None:
-        self.state.pop(seq, None)
+        state = self.state.pop(seq, None)
+        if state is not None:
+            self.blocks.release(state.block_table)
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
-        return [self._propose_one(seq, k) for seq, k in zip(seqs, num_tokens)]
+        # most guesses first: the sequences still guessing at step j are always the first rows of step j - 1
+        drafting = sorted(((seq, k) for seq, k in zip(seqs, num_tokens) if k > 0), key=lambda item: -item[1])
+        if not drafting:
+            return [([], None) for _ in seqs]
+        lengths = [seq.num_tokens for seq, _ in drafting]
+        # catch up: each sequence feeds what the draft has not seen, then guesses from its last token. The step is
+        # packed as the target's are, prompts (several tokens) before single tokens; the logits come in drafting order.
+        news = []
+        for (seq, k), length in zip(drafting, lengths):
+            state = self.state.setdefault(seq, DraftState())
+            common = self._common_prefix(state.held, seq.token_ids)
+            del state.held[common:]  # roll back: those slots will be overwritten
+            self.blocks.extend(state.block_table, length + k - 1)  # the last guess is never fed
+            news.append(common)
+        packing = sorted(range(len(drafting)), key=lambda i: lengths[i] - news[i] == 1)
+        slices, feed, positions, last_row = [], [], [], [0] * len(drafting)
+        for i in packing:
+            seq, common, length = drafting[i][0], news[i], lengths[i]
+            slices.append(SequenceSlice(len(feed), length - common, length, self.state[seq].block_table))
+            feed += seq.token_ids[common:]
+            positions += range(common, length)
+            last_row[i] = len(feed) - 1
+        logits = self._forward(torch.tensor(feed, device=self.device), positions, slices, last_row)
+        guesses = [self._pick(logits, [seq for seq, _ in drafting])]
+        # guess j + 1 of every sequence that wants it, from its guess j: one row each, fed at position length + j - 1
+        for j in range(1, drafting[0][1]):
+            rows = sum(1 for _, k in drafting if k > j)
+            slices = [SequenceSlice(i, 1, lengths[i] + j, self.state[drafting[i][0]].block_table) for i in range(rows)]
+            logits = self._forward(guesses[-1][0][:rows], [lengths[i] + j - 1 for i in range(rows)], slices,
+                                   list(range(rows)))
+            guesses.append(self._pick(logits, [seq for seq, _ in drafting[:rows]]))
+        return self._proposals(seqs, drafting, guesses)
 
-    def _propose_one(self, seq: Sequence, k: int) -> Proposal:
-        if k == 0:
-            return [], None
-        if seq not in self.state:
-            weight = self.model.embed_tokens.weight
-            max_len = len(seq.prompt_token_ids) + seq.max_tokens  # drafts never reach past the last position
-            self.state[seq] = (KVCache(self.model.config, 1, max_len, weight.dtype, weight.device), [])
-        cache, held = self.state[seq]
-        tokens = seq.token_ids
-        limit = min(len(held), len(tokens) - 1)  # feed at least one token: we need its logits
-        # the draft's cache and the sequence differ at most in the last few tokens (rejected drafts):
-        # compare the rest in one go (in C), and walk token by token only over the end
+    @staticmethod
+    def _common_prefix(held: list[int], tokens: list[int]) -> int:
+        """How many leading tokens the draft's blocks hold right (at least one token is fed: its logits are needed).
+        The two differ at most in the last few tokens (rejected guesses): compare the rest in one go, in C."""
+        limit = min(len(held), len(tokens) - 1)
         walk_from = max(0, limit - 16)
         common = walk_from if held[:walk_from] == tokens[:walk_from] else 0
         while common < limit and held[common] == tokens[common]:
             common += 1
-        cache.length = common  # roll back: what lies beyond will be overwritten
-        del held[common:]
-        device = self.model.embed_tokens.weight.device
-        feed = torch.tensor(tokens[common:], device=device)
-        drafts, probs = [], []
-        # The drafts stay on the device until the pass ends: one transfer to the host per pass, not one
-        # per token, so that a GPU never waits for the host between the draft's k forward passes.
-        for i in range(k):
-            logits = self._forward(cache, feed)
-            if seq.params.greedy:
-                token = logits.argmax(dim=-1, keepdim=True)
-            else:
-                q = processed_probs(logits[None], seq.params)[0]
-                token = draw(q[None], torch.rand(1, generator=seq.generator).to(device))
-                probs.append(q)
-            drafts.append(token)
-            feed = token  # the last draft is never fed: its KV is only needed once it is accepted
-        draft_ids = torch.cat(drafts).tolist()
-        held.extend(tokens[common:] + draft_ids[:-1])
-        return draft_ids, (torch.stack(probs) if probs else None)
+        return common
 
-    def _forward(self, cache: KVCache, feed: torch.Tensor) -> torch.Tensor:
-        """Run the new tokens [n] through the draft; the logits [vocab] after the last one."""
-        positions = torch.arange(cache.length, cache.length + len(feed), device=feed.device)
-        logits = self.model(feed[None], positions[None], kv_cache=cache)[0, -1]
+    def _forward(self, input_ids: torch.Tensor, positions: list[int], slices: list[SequenceSlice],
+                 logits_rows: list[int]) -> torch.Tensor:
+        """Run one packed step through the draft; logits [len(logits_rows), vocab the draft scores] in float32."""
+        paged = PagedStep(self.blocks.pool, slices, torch.tensor(positions), self.use_kernels)
+        step = PreparedStep(input_ids[None], torch.tensor([positions], device=self.device), paged,
+                            torch.tensor(logits_rows, dtype=torch.long, device=self.device))
+        graphs = self._graphs()
+        served = graphs(step) if graphs is not None and graphs.serves(step) else None
+        if served is not None:
+            return served[0]
+        return self.model(step.input_ids, step.positions, paged, logits_indices=step.logits_indices)[0]
+
+    def _graphs(self) -> Optional[DecodeGraphs]:
+        if self.graph_shape is None:
+            return None
+        if self.graphs is None or self.graphs.pool is not self.blocks.pool:
+            max_num_seqs, max_query_len, record = self.graph_shape
+            max_blocks = -(-self.model.config.max_position_embeddings // self.blocks.block_size)
+            self.graphs = DecodeGraphs(self.model, self.blocks.pool, max_num_seqs, max_blocks, record, max_query_len)
+        return self.graphs
+
+    def _pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
+        """One guess per row (a device tensor [rows]) and, for sampled rows, the distribution it was drawn from."""
+        if all(seq.params.greedy for seq in seqs):
+            best = logits.argmax(dim=-1)
+            return (best if self.head_token_ids is None else self.head_token_ids.to(best.device)[best]), [None] * len(seqs)
+        full = self._full_vocabulary(logits)
+        tokens, dists = [], []
+        for row, seq in zip(full, seqs):
+            if seq.params.greedy:
+                tokens.append(row.argmax(dim=-1, keepdim=True))
+                dists.append(None)
+            else:
+                q = processed_probs(row[None], seq.params)[0]
+                tokens.append(draw(q[None], torch.rand(1, generator=seq.generator).to(q.device)))
+                dists.append(q)
+        return torch.cat(tokens), dists
+
+    def _full_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
         if self.head_token_ids is None:
             return logits
-        full = logits.new_full((self.vocab_size,), float("-inf"))
-        full[self.head_token_ids.to(feed.device)] = logits
+        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        full[:, self.head_token_ids.to(logits.device)] = logits
         return full
+
+    def _proposals(self, seqs: list[Sequence], drafting: list[tuple[Sequence, int]],
+                   guesses: list[tuple[torch.Tensor, list]]) -> list[Proposal]:
+        """The guesses to the host at once; each sequence's k of them, with their distributions when sampled."""
+        ids = [g.tolist() for g, _ in guesses]  # the only transfer of the proposal
+        made = {}
+        for i, (seq, k) in enumerate(drafting):  # row i of every step it took part in
+            drafts, dists = [ids[j][i] for j in range(k)], [guesses[j][1][i] for j in range(k)]
+            state = self.state[seq]
+            state.held += seq.token_ids[len(state.held):] + drafts[:-1]
+            made[seq] = (drafts, None if dists[0] is None else torch.stack(dists))
+        return [made.get(seq, ([], None)) for seq in seqs]
