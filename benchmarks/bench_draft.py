@@ -1,9 +1,12 @@
-"""The distilled draft's proposer, this checkout's beside another version of it, in one process.
+"""A drafting proposer, this checkout's beside another version of it, in one process.
 
-    git show COMMIT:minfer/speculative/draft_model.py > /tmp/draft_model_before.py
-    OMP_NUM_THREADS=1 python benchmarks/bench_draft.py --baseline /tmp/draft_model_before.py [--rounds 3]
+    git show REV:minfer/speculative/draft_model.py > BEFORE.py    # REV: the version to compare with
+    OMP_NUM_THREADS=1 python benchmarks/bench_draft.py --baseline BEFORE.py [--rounds 3]
+    git show REV:minfer/speculative/eagle.py > BEFORE.py
+    OMP_NUM_THREADS=1 python benchmarks/bench_draft.py --proposer smollm2-135m-eagle --baseline BEFORE.py
 
-SmolLM2-135M (bfloat16) with `smollm2-135m-draft`, k guesses, greedy, on the CPU with one thread. Two settings:
+SmolLM2-135M (bfloat16) with the distilled draft (`smollm2-135m-draft`, the module's DraftModelProposer) or the
+EAGLE head (`smollm2-135m-eagle`, its EagleProposer), k guesses, greedy, on the CPU with one thread. Two settings:
 batch 1 (chapter 07's measurement, `decode_rate`: each chat prompt alone, decode tokens/s from this process's CPU
 time), and --batch chat prompts generated together (`LLM.generate`, CPU seconds for the whole call), where a
 proposer that drafts every sequence in one batched step should gain. Both proposers share the draft's weights and
@@ -27,11 +30,15 @@ from minfer.lab.bench.spec import chat_prompts, decode_rate  # noqa: E402
 from minfer.speculative import make_proposer  # noqa: E402
 
 
-def load_proposer_class(path: str):
-    spec = importlib.util.spec_from_file_location("draft_model_baseline", path)
+def baseline_proposer(path: str, current):
+    """The same proposer built from another version of its module (a draft model's or an EAGLE head's)."""
+    spec = importlib.util.spec_from_file_location("proposer_baseline", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
-    return module.DraftModelProposer
+    if hasattr(current, "head"):
+        return module.EagleProposer(current.head, current.vocab_size)
+    return module.DraftModelProposer(current.model, current.vocab_size)
 
 
 def batch_seconds(llm, proposer, k: int, prompts: list, max_tokens: int) -> tuple[float, list]:
@@ -44,7 +51,9 @@ def batch_seconds(llm, proposer, k: int, prompts: list, max_tokens: int) -> tupl
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--baseline", required=True, help="another draft_model.py to time beside this checkout's")
+    parser.add_argument("--proposer", default="smollm2-135m-draft", choices=["smollm2-135m-draft", "smollm2-135m-eagle"])
+    parser.add_argument("--baseline", required=True,
+                        help="another version of the proposer's module (draft_model.py or eagle.py) to time beside this checkout's")
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=4, help="chat prompts decoded one at a time (batch 1)")
@@ -53,9 +62,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     llm = LLM("smollm2-135m", dtype="bfloat16", device="cpu", enable_prefix_caching=False)
-    current = make_proposer("smollm2-135m-draft", llm.model, llm.tokenizer, llm.max_model_len, llm.dtype, llm.device)
-    proposers = {"baseline": load_proposer_class(args.baseline)(current.model, llm.config.vocab_size),
-                 "this checkout": current}
+    current = make_proposer(args.proposer, llm.model, llm.tokenizer, llm.max_model_len, llm.dtype, llm.device)
+    proposers = {"baseline": baseline_proposer(args.baseline, current), "this checkout": current}
     alone, together = chat_prompts(llm, args.prompts), chat_prompts(llm, args.batch)
     rates: dict[str, list[float]] = {name: [] for name in ("plain", *proposers)}
     seconds: dict[str, list[float]] = {name: [] for name in ("plain", *proposers)}
@@ -70,7 +78,7 @@ def main(argv=None) -> int:
             spent, tokens[name] = batch_seconds(llm, proposer, args.k, together, args.max_tokens)
             seconds[name].append(spent)
     info = machine_info()
-    print(f"SmolLM2-135M (bfloat16) with smollm2-135m-draft, k={args.k}, greedy, up to {args.max_tokens} tokens; "
+    print(f"SmolLM2-135M (bfloat16) with {args.proposer}, k={args.k}, greedy, up to {args.max_tokens} tokens; "
           f"{info['cpu']}, 1 torch thread; best of {args.rounds} alternating rounds\n")
     print(f"| proposer | batch 1: decode tokens/s ({args.prompts} chat prompts, one at a time) | vs plain | alpha | "
           f"batch {args.batch}: CPU seconds for {args.batch} chat prompts together | vs plain |")

@@ -136,9 +136,18 @@ SCRIPT = textwrap.dedent("""
         assert spec.blocks.num_free_blocks == 64
         return [r.to_output().outputs[0].token_ids for r in requests], served, spec
 
-    for name, make in (("[ngram]", lambda: "[ngram]"), ("an EAGLE head", lambda: EagleProposer(head, 512))):
-        expected, _, _ = speculative(make(), None)
-        proposer, features = make(), []
+    guessed = {False: [], True: []}
+
+    def eagle(graphed):  # the head on the kernel path, its own steps replayed too when graphed
+        proposer = EagleProposer(head, 512, block_size=4, use_graphs=graphed, record=stand_in)
+        proposer.use_kernels = True
+        propose = proposer.propose
+        proposer.propose = lambda seqs, ks: guessed[graphed].append(propose(seqs, ks)) or guessed[graphed][-1]
+        return proposer
+
+    for name, make in (("[ngram]", lambda graphed: "[ngram]"), ("an EAGLE head", eagle)):
+        expected, _, _ = speculative(make(False), None)
+        proposer, features = make(True), []
         if name != "[ngram]":
             observe = proposer.observe
             def checked(seq, first, hidden, observe=observe):
@@ -152,6 +161,10 @@ SCRIPT = textwrap.dedent("""
         longest = 2 if name == "[ngram]" else 4  # n-gram lookup finds one token to continue here, the head guesses 3
         assert spec.spec_stats.num_draft_tokens > 0 and longest in served, (name, spec.spec_stats.num_draft_tokens, served)
         assert all(features) and (name == "[ngram]" or len(features) > 10), features
+        if name != "[ngram]":  # the head's replayed steps guess what its eager steps guess
+            drafts = lambda runs: [[tokens for tokens, _ in proposals] for proposals in runs]
+            assert drafts(guessed[True]) == drafts(guessed[False]) and len(guessed[True]) > 10, guessed
+            assert sorted(size for size, _ in proposer.graphs.replays) == [1, 2, 4, 8], proposer.graphs.replays
         print(f"speculative decoding with {name}: verification passes replayed ({len(served)} steps)")
 
     # A draft model's steps replay too: the target as its own draft guesses exactly its greedy tokens, so every

@@ -442,7 +442,7 @@ def test_seeded_sampling_with_speculation_is_reproducible(tiny_llm, tiny_small_v
 
 def test_the_drafts_pool_grows_and_keeps_what_it_holds(tiny_llm):
     """Out of blocks, the draft's pool doubles: the K/V already stored move with it, blocks come lowest first."""
-    from minfer.speculative.draft_model import DraftPool
+    from minfer.speculative.batched_drafting import DraftPool
 
     blocks = DraftPool(tiny_llm().model, 2, 4)
     first, second = [], []

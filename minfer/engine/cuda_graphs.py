@@ -113,6 +113,7 @@ class DecodeGraphs:
         rows = paged.num_tokens
         size = bucket_for(rows)  # one of sizes: serves() kept the rows within the largest
         tables = paged.token_tables
+        self._copy_inputs(step, rows)
         self.input_ids[:, :rows] = step.input_ids[:, :rows]
         self.positions[:, :rows] = step.positions[:, :rows]
         self.slot_mapping[:rows] = paged.slot_mapping
@@ -128,16 +129,23 @@ class DecodeGraphs:
         # copies: the next replay rewrites the outputs
         return logits[0, step.logits_indices], None if hidden is None else hidden[0, :rows].clone()
 
+    def _copy_inputs(self, step, rows: int) -> None:
+        """Inputs beyond the model's usual ones, into buffers of their own (none here; an EAGLE head's features)."""
+
+    def _forward(self, size: int, step: GraphStep, hidden_layers: Optional[tuple[int, ...]]) -> tuple:
+        """The recorded computation over the buffers' first `size` rows: (logits, hidden states or None)."""
+        input_ids, positions, model = self.input_ids[:, :size], self.positions[:, :size], self.model
+        if hidden_layers is None:
+            return model(input_ids, positions, step, last_only=False), None
+        hidden = model.hidden_states(input_ids, positions, step, keep_layers=hidden_layers)
+        return model.logits(hidden[..., -model.config.hidden_size:]), hidden
+
     def _record(self, size: int, hidden_layers: Optional[tuple[int, ...]]) -> bool:
         step = GraphStep(self.pool, self.slot_mapping[:size], self.block_tables[:size], self.context_lens[:size])
-        input_ids, positions, model = self.input_ids[:, :size], self.positions[:, :size], self.model
 
         @torch.inference_mode()
         def run() -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-            if hidden_layers is None:
-                return model(input_ids, positions, step, last_only=False), None
-            hidden = model.hidden_states(input_ids, positions, step, keep_layers=hidden_layers)
-            return model.logits(hidden[..., -model.config.hidden_size:]), hidden
+            return self._forward(size, step, hidden_layers)
 
         try:
             run()  # once outside the recording: Triton compiles its kernels, PyTorch sets up its workspaces

@@ -13,6 +13,7 @@ of a single target pass.
     pruned_draft.py the shipped draft's shape (target layers, pruned; a top-K head), saved and loaded by name
     eagle_head.py  an EAGLE head: one decoder layer reading the target's features, saved and loaded by name
     eagle.py       the EAGLE proposer: the target's features per sequence, the head's cache, chained guesses
+    batched_drafting.py what both share: every sequence drafted at once, a paged pool of their own, CUDA graphs
 
 How the draft was trained (distillation loss, teacher top-k, the training loop; chapter 08) is course code:
 `minfer/lab/distill.py`.

@@ -34,46 +34,12 @@ import torch
 
 from minfer.engine.cuda_graphs import DecodeGraphs, Recorder, record_cuda_graph
 from minfer.engine.model_runner import PreparedStep
-from minfer.engine.paged_kv import KVPool, PagedStep, SequenceSlice
+from minfer.engine.paged_kv import PagedStep, SequenceSlice
 from minfer.layers.attention import attention_sdpa
-from minfer.layers.sampler import draw
 from minfer.models.llama import LlamaModel
 from minfer.sequence import Sequence
+from minfer.speculative.batched_drafting import DraftPool, Guesses, PoolGraphs, pick_guesses, proposals
 from minfer.speculative.proposer import Proposal, Proposer
-from minfer.speculative.rejection import processed_probs
-
-
-class DraftPool:
-    """The draft's KV pool and its free blocks. Out of blocks, it doubles: a new pool, the old contents copied in."""
-
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
-        self.model, self.block_size = model, block_size
-        weight = model.embed_tokens.weight
-        self.pool = KVPool(model.config, num_blocks, block_size, weight.dtype, weight.device)
-        self.free = list(range(num_blocks))
-
-    def extend(self, table: list[int], num_tokens: int) -> None:
-        """Give `table` the blocks that num_tokens positions need (lowest free blocks first, so that a
-        sequence's blocks tend to follow each other and the CPU path reads them in place)."""
-        wanted = -(-num_tokens // self.block_size) - len(table)
-        if wanted <= 0:
-            return
-        while len(self.free) < wanted:
-            self._grow()
-        self.free.sort()
-        table += self.free[:wanted]
-        del self.free[:wanted]
-
-    def release(self, table: list[int]) -> None:
-        self.free += table
-        table.clear()
-
-    def _grow(self) -> None:
-        old = self.pool
-        self.pool = KVPool(self.model.config, 2 * old.num_blocks, self.block_size, old.dtype, old.k.device)
-        self.pool.k[:, :, :old.num_blocks] = old.k  # heads-first: [layers, kv_heads, blocks, block_size, dim]
-        self.pool.v[:, :, :old.num_blocks] = old.v
-        self.free += range(old.num_blocks, self.pool.num_blocks)
 
 
 @dataclass
@@ -97,8 +63,9 @@ class DraftModelProposer(Proposer):
         self.use_kernels = self.device.type == "cuda" and model.attention_fn is attention_sdpa
         if use_graphs is None:
             use_graphs = self.use_kernels and DecodeGraphs.supports(model)
-        self.graph_shape = (max_num_seqs, max_query_len, record) if use_graphs else None
-        self.graphs: Optional[DecodeGraphs] = None  # recorded for the current pool (a grown pool records anew)
+        max_blocks = -(-model.config.max_position_embeddings // block_size)
+        self.pool_graphs = PoolGraphs(lambda pool: DecodeGraphs(model, pool, max_num_seqs, max_blocks, record,
+                                                                max_query_len)) if use_graphs else None
         self.state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # seq -> DraftState
 
     def release(self, seq: Sequence) -> None:
@@ -130,15 +97,15 @@ class DraftModelProposer(Proposer):
             positions += range(common, length)
             last_row[i] = len(feed) - 1
         logits = self._forward(torch.tensor(feed, device=self.device), positions, slices, last_row)
-        guesses = [self._pick(logits, [seq for seq, _ in drafting])]
+        guesses = [pick_guesses(logits, [seq for seq, _ in drafting], self.head_token_ids, self.vocab_size)]
         # guess j + 1 of every sequence that wants it, from its guess j: one row each, fed at position length + j - 1
         for j in range(1, drafting[0][1]):
             rows = sum(1 for _, k in drafting if k > j)
             slices = [SequenceSlice(i, 1, lengths[i] + j, self.state[drafting[i][0]].block_table) for i in range(rows)]
             logits = self._forward(guesses[-1][0][:rows], [lengths[i] + j - 1 for i in range(rows)], slices,
                                    list(range(rows)))
-            guesses.append(self._pick(logits, [seq for seq, _ in drafting[:rows]]))
-        return self._proposals(seqs, drafting, guesses)
+            guesses.append(pick_guesses(logits, [seq for seq, _ in drafting[:rows]], self.head_token_ids, self.vocab_size))
+        return self._remember(seqs, drafting, guesses)
 
     @staticmethod
     def _common_prefix(held: list[int], tokens: list[int]) -> int:
@@ -157,53 +124,22 @@ class DraftModelProposer(Proposer):
         paged = PagedStep(self.blocks.pool, slices, torch.tensor(positions), self.use_kernels)
         step = PreparedStep(input_ids[None], torch.tensor([positions], device=self.device), paged,
                             torch.tensor(logits_rows, dtype=torch.long, device=self.device))
-        graphs = self._graphs()
+        graphs = None if self.pool_graphs is None else self.pool_graphs.over(self.blocks.pool)
         served = graphs(step) if graphs is not None and graphs.serves(step) else None
         if served is not None:
             return served[0]
         return self.model(step.input_ids, step.positions, paged, logits_indices=step.logits_indices)[0]
 
-    def _graphs(self) -> Optional[DecodeGraphs]:
-        if self.graph_shape is None:
-            return None
-        if self.graphs is None or self.graphs.pool is not self.blocks.pool:
-            max_num_seqs, max_query_len, record = self.graph_shape
-            max_blocks = -(-self.model.config.max_position_embeddings // self.blocks.block_size)
-            self.graphs = DecodeGraphs(self.model, self.blocks.pool, max_num_seqs, max_blocks, record, max_query_len)
-        return self.graphs
+    @property
+    def graphs(self) -> Optional[DecodeGraphs]:
+        """The CUDA graphs recorded so far (None without graphs)."""
+        return None if self.pool_graphs is None else self.pool_graphs.graphs
 
-    def _pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
-        """One guess per row (a device tensor [rows]) and, for sampled rows, the distribution it was drawn from."""
-        if all(seq.params.greedy for seq in seqs):
-            best = logits.argmax(dim=-1)
-            return (best if self.head_token_ids is None else self.head_token_ids.to(best.device)[best]), [None] * len(seqs)
-        full = self._full_vocabulary(logits)
-        tokens, dists = [], []
-        for row, seq in zip(full, seqs):
-            if seq.params.greedy:
-                tokens.append(row.argmax(dim=-1, keepdim=True))
-                dists.append(None)
-            else:
-                q = processed_probs(row[None], seq.params)[0]
-                tokens.append(draw(q[None], torch.rand(1, generator=seq.generator).to(q.device)))
-                dists.append(q)
-        return torch.cat(tokens), dists
-
-    def _full_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.head_token_ids is None:
-            return logits
-        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-        full[:, self.head_token_ids.to(logits.device)] = logits
-        return full
-
-    def _proposals(self, seqs: list[Sequence], drafting: list[tuple[Sequence, int]],
-                   guesses: list[tuple[torch.Tensor, list]]) -> list[Proposal]:
-        """The guesses to the host at once; each sequence's k of them, with their distributions when sampled."""
-        ids = [g.tolist() for g, _ in guesses]  # the only transfer of the proposal
+    def _remember(self, seqs: list[Sequence], drafting: list[tuple[Sequence, int]], guesses: list[Guesses]) -> list[Proposal]:
+        """Each sequence's proposal; its blocks now hold its tokens and all its guesses but the last."""
         made = {}
-        for i, (seq, k) in enumerate(drafting):  # row i of every step it took part in
-            drafts, dists = [ids[j][i] for j in range(k)], [guesses[j][1][i] for j in range(k)]
+        for (seq, _), (drafts, dists) in zip(drafting, proposals([k for _, k in drafting], guesses)):
             state = self.state[seq]
             state.held += seq.token_ids[len(state.held):] + drafts[:-1]
-            made[seq] = (drafts, None if dists[0] is None else torch.stack(dists))
+            made[seq] = (drafts, dists)
         return [made.get(seq, ([], None)) for seq in seqs]
