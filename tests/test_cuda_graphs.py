@@ -245,6 +245,15 @@ def test_cuda_graphs_on_a_gpu(random_tiny_dir):
     graphs = llm.engine.runner.decode_step
     assert graphs.failed is None and graphs.max_query_len == 4 and llm.engine.spec_stats.num_draft_tokens > 0
     assert spec[True] == spec[None]
+    # the target as its own draft: the draft's batched steps are recorded too, and every guess is accepted
+    from minfer.speculative import DraftModelProposer, SpecDecodeStats
+
+    engine = llm.engine
+    engine.proposer, engine.spec_stats = DraftModelProposer(llm.model, llm.config.vocab_size), SpecDecodeStats()
+    draft = engine.proposer
+    own = [o.outputs[0].token_ids for o in llm.generate(repeating, greedy, use_tqdm=False)]
+    assert own == spec[True] and draft.graphs is not None and draft.graphs.failed is None and draft.graphs.replays
+    assert engine.spec_stats.draft_acceptance_rate == 1.0
 
 
 def test_the_decode_path_is_chosen_once_cuda_graphs_by_default_on_cuda(random_tiny_dir):
