@@ -93,7 +93,7 @@ class DraftModelProposer(Proposer):
         for i in packing:
             seq, common, length = drafting[i][0], news[i], lengths[i]
             slices.append(SequenceSlice(len(feed), length - common, length, self.state[seq].block_table))
-            feed += seq.token_ids[common:]
+            feed += seq.token_ids_between(common, length)
             positions += range(common, length)
             last_row[i] = len(feed) - 1
         logits = self._forward(torch.tensor(feed, device=self.device), positions, slices, last_row)
@@ -140,6 +140,6 @@ class DraftModelProposer(Proposer):
         made = {}
         for (seq, _), (drafts, dists) in zip(drafting, proposals([k for _, k in drafting], guesses)):
             state = self.state[seq]
-            state.held += seq.token_ids[len(state.held):] + drafts[:-1]
+            state.held += seq.token_ids_between(len(state.held), seq.num_tokens) + drafts[:-1]
             made[seq] = (drafts, dists)
         return [made.get(seq, ([], None)) for seq in seqs]
