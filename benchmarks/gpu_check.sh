@@ -6,13 +6,13 @@
 #
 #   benchmarks/gpu_check.sh OUT_DIR     # OUT_DIR/{env.txt, summary.md, gpu/*.json, gpu-cells/{summary.*, notebooks/*.ipynb,
 #                                       #   figures/*.png}, bench_generate.*, kernel_tests.log, bench_kernels.*,
-#                                       #   bench_speculative.*, bench_compiled.*, and with PARTS=notebooks
+#                                       #   bench_speculative.*, bench_overlap.*, bench_compiled.*, and with PARTS=notebooks
 #                                       #   whole-notebooks/ as gpu-cells/}
 #
 # Needs python with torch (CUDA build), transformers, triton, nbclient and ipykernel; minfer is used from this
 # checkout (no install). docs/gpu.md says how the real model's file and the missing packages reach a GPU machine
 # without network.
-# Parts (PARTS, default "gpu-cells bench kernels speculative"; they run in this order):
+# Parts (PARTS, default "gpu-cells bench kernels speculative overlap"; they run in this order):
 #   gpu-cells  in every chapter (NOTEBOOKS), only its GPU cells (those that call gpu_cell) and the cells they
 #              need (benchmarks/run_notebooks.py --cells gpu, MINFER_IMPL=solutions, NB_TIMEOUT seconds per
 #              notebook): executed copies, their figures and summary in OUT_DIR/gpu-cells/ (never over the course
@@ -26,12 +26,14 @@
 #              against dense bfloat16 on Llama-3.1-8B's linears, 1 and 16 rows;
 #   speculative (CUDA) speculative decoding at batch 1 on the real model: n-gram lookup, the EAGLE head and the
 #              distilled draft (k = 3) against plain decoding, each with the engine's defaults (CUDA graphs);
+#   overlap    (CUDA) async scheduling against the synchronous engine, decode steps of the tiny host-bound model
+#              and of the real one (benchmarks/bench_overlap.py);
 #   compiled   (CUDA; optional, not in the default PARTS) eager vs compiled decode steps;
 #   notebooks  (optional, not in the default PARTS: when there is time for it) every cell of every chapter,
 #              into OUT_DIR/whole-notebooks/ as gpu-cells does, with the time left (its GPU cells' figures
 #              replace gpu-cells' in OUT_DIR/gpu/).
 # gpu-cells leaves the time the later asked-for parts usually need (bench 60 s, on CUDA kernels 200 s,
-# speculative 90 s and compiled 60 s), and is skipped with under 20 s of its own; every other part's limit is cut to what is left of TOTAL_LIMIT; a part with under 20 s left is
+# speculative 90 s, overlap 60 s and compiled 60 s), and is skipped with under 20 s of its own; every other part's limit is cut to what is left of TOTAL_LIMIT; a part with under 20 s left is
 # skipped. OUT_DIR/summary.md gathers the notebook parts' tables, also when the script is stopped by a signal.
 # Overrides (the CPU rehearsal and its test use them): PYTHON, DEVICE (cuda; cpu: a rehearsal, whose GPU cells
 # measure on the CPU with small settings), PARTS, NOTEBOOKS (paths), NB_TIMEOUT (90), TOTAL_LIMIT (500),
@@ -45,7 +47,7 @@ SHAPES=${SHAPES:-smollm2-135m}
 TIME_LIMIT=${TIME_LIMIT:-120}
 TOTAL_LIMIT=${TOTAL_LIMIT:-500}
 NB_TIMEOUT=${NB_TIMEOUT:-90}
-PARTS=" ${PARTS:-gpu-cells bench kernels speculative} "
+PARTS=" ${PARTS:-gpu-cells bench kernels speculative overlap} "
 read -r -a EXTRA <<< "${BENCH_ARGS:-}"
 
 mkdir -p "$OUT"
@@ -118,6 +120,7 @@ reserve=0  # the time the bench, kernels and compiled parts usually take, when t
 [[ "$PARTS" == *" bench "* ]] && reserve=$(( reserve + 60 ))
 [[ "$DEVICE" == cuda* && "$PARTS" == *" kernels "* ]] && reserve=$(( reserve + 200 ))
 [[ "$DEVICE" == cuda* && "$PARTS" == *" speculative "* ]] && reserve=$(( reserve + 90 ))
+[[ "$DEVICE" == cuda* && "$PARTS" == *" overlap "* ]] && reserve=$(( reserve + 60 ))
 [[ "$DEVICE" == cuda* && "$PARTS" == *" compiled "* ]] && reserve=$(( reserve + 60 ))
 
 if part gpu-cells; then
@@ -153,6 +156,10 @@ if [[ "$DEVICE" == cuda* ]] && part speculative; then
     "${TIMEOUT[@]}" "$(limit 90)" "$PYTHON" benchmarks/bench_speculative.py --device "$DEVICE" --dtype bfloat16 \
         --clock wall --proposers "[ngram]" smollm2-135m-eagle smollm2-135m-draft --ks 3 --num-prompts 2 \
         --max-tokens 64 --json "$OUT/bench_speculative.json" 2>&1 | tee "$OUT/bench_speculative.log" || status=$?
+fi
+if [[ "$DEVICE" == cuda* ]] && part overlap; then
+    "${TIMEOUT[@]}" "$(limit 60)" "$PYTHON" benchmarks/bench_overlap.py --device "$DEVICE" --rounds 2 --steps 30 \
+        --json "$OUT/bench_overlap.json" 2>&1 | tee "$OUT/bench_overlap.log" || status=$?
 fi
 if [[ "$DEVICE" == cuda* ]] && part compiled; then
     # The engine's decode step eager vs enforce_eager=False (on CUDA: replayed as CUDA graphs), random weights.

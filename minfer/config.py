@@ -155,6 +155,11 @@ class EngineConfig:
     (docs/benchmarks.md). False: CUDA graphs where they can record, the compiled step elsewhere and for
     mixture-of-experts models (`minfer.engine.compiled_decode`). True: every step eagerly.
 
+    async_scheduling: schedule and launch step n + 1 before reading step n's tokens, so that the host's work
+    on step n's outputs (text, stop checks, outputs) runs while the model computes (vLLM's name; off by
+    default, as there; `minfer.engine.overlap`). Not with speculative decoding, structured outputs or
+    tensor parallelism.
+
     tensor_parallel_size: split every layer over this many processes (vLLM's name; `minfer.engine.parallel`).
 
     carve_experts, carve_top_k: minfer's own (not vLLM's), both or neither: every dense MLP split into
@@ -187,6 +192,7 @@ class EngineConfig:
     speculative_model: Any = None
     num_speculative_tokens: Optional[int] = None
     enforce_eager: Optional[bool] = None
+    async_scheduling: bool = False
     bucket_step_shapes: bool = True
     tensor_parallel_size: int = 1
     carve_experts: Optional[int] = None
@@ -222,13 +228,17 @@ class EngineConfig:
         self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)  # "fp8_e4m3" becomes "fp8"
         if self.kv_cache_dtype == "fp8":
             check_fp8_supported(self.device)
-        if not isinstance(self.bucket_step_shapes, bool):
-            raise ValueError(f"bucket_step_shapes must be True or False, got {self.bucket_step_shapes!r}")
+        for name in ("bucket_step_shapes", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.enforce_eager not in (None, True, False):
             raise ValueError(f"enforce_eager must be True, False or None (choose per device), got {self.enforce_eager!r}")
         check_quantization_args(self.quantization, self.quantization_group_size)
         self._check_speculative_args()
         check_carve_args(self.carve_experts, self.carve_top_k)
+        if self.async_scheduling and (self.speculative_model is not None or self.tensor_parallel_size > 1):
+            raise ValueError("async_scheduling works without speculative decoding and with tensor_parallel_size=1: "
+                             "a step's inputs there depend on the previous step's tokens on the host")
 
     def _check_speculative_args(self) -> None:
         model, k = self.speculative_model, self.num_speculative_tokens

@@ -32,6 +32,10 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_cached_prompt_tokens: int = 0  # found in the prefix cache when first admitted
     num_preemptions: int = 0
+    # async scheduling (minfer.engine.overlap): tokens drawn on the device that the host has not read yet,
+    # and where the newest of them is in its step's draws
+    num_pending: int = 0
+    pending_index: int = 0
     # speculative decoding: draft tokens this step's pass verifies (not output until accepted)
     spec_token_ids: list[int] = field(default_factory=list)
     spec_draft_probs: Optional[torch.Tensor] = None  # the draft's distributions [tokens, vocab]; None: one-hot guesses

@@ -12,6 +12,7 @@ Where a request goes, file by file:
     compiled_decode.py    enforce_eager=False elsewhere: the decode step through torch.compile
     structured_output.py  before sampling: the tokens a requested shape (JSON schema, regex, ...) forbids, masked
     engine.py           postprocess: append tokens (or accept drafts), finish, free blocks, outputs
+    overlap.py          async_scheduling=True: step n + 1 launched before step n's tokens are read
 
 Beside the step:
 

@@ -11,6 +11,7 @@
 Where a request goes, file by file:
 
     engine.py        add_request, then every step: schedule -> run -> postprocess
+                       (async_scheduling: schedule and launch step n + 1, then postprocess step n; overlap.py)
     scheduler.py       who runs this step and with how many tokens (budget, chunked prefill, preemption)
     block_manager.py   where their K/V live: blocks, reference counts, prefix hashes
     model_runner.py    the step's tensors, the forward pass, batched sampling
@@ -34,6 +35,7 @@ from minfer.config import EngineConfig
 from minfer.engine.block_manager import BlockManager
 from minfer.engine.kv_calibration import calibration_ids, kv_ranges
 from minfer.engine.model_runner import ModelRunner, StepOutput
+from minfer.engine.overlap import InFlightStep, launch
 from minfer.engine.scheduler import Scheduler
 from minfer.engine.snapshot import EngineSnapshot, take_snapshot
 from minfer.engine.structured_output import StructuredOutputs
@@ -110,6 +112,7 @@ class Engine:
         self.last_padding = 0  # rows the last step added to reach its bucket
         self.structured_outputs = StructuredOutputs(tokenizer, model.config.vocab_size, self.eos_token_ids)
         self._snapshots = 0
+        self.in_flight: Optional[InFlightStep] = None  # async scheduling: the step launched, not read yet
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -122,6 +125,9 @@ class Engine:
             raise ValueError("logprobs and prompt_logprobs are not supported with speculative decoding: "
                              "make the LLM without speculative_model to get them")
         if p.structured_outputs is not None:
+            if self.config.async_scheduling:
+                raise ValueError("structured_outputs is not supported with async_scheduling: the mask needs the previous "
+                                 "token on the host; make the LLM without async_scheduling to use it")
             if self.proposer is not None:
                 raise ValueError("structured_outputs is not supported with speculative decoding: make the LLM without "
                                  "speculative_model to use it")
@@ -167,7 +173,7 @@ class Engine:
         return s.cached_prompt_tokens / s.admitted_prompt_tokens if s.admitted_prompt_tokens else 0.0
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.in_flight is not None
 
     def snapshot(self, detail: bool = False) -> EngineSnapshot:
         """The state now, frozen (call it on the thread that steps the engine; see snapshot.py).
@@ -177,6 +183,8 @@ class Engine:
 
     # ---------------------------------------------------------------- one step
     def step(self) -> list[RequestOutput]:
+        if self.config.async_scheduling:
+            return self._step_overlapped()
         if self.proposer is not None:
             self._propose()
         batch = self.scheduler.schedule()
@@ -191,9 +199,47 @@ class Engine:
         for seq, first, hidden in output.hidden:  # an EAGLE head reads the target's features
             self.proposer.observe(seq, first, hidden)
         if self.moe_blocks:
-            self.stats.record_expert_load(last_expert_load(self.moe_blocks, output.num_tokens, self.model.config.num_experts))
-        failed = self._score_prompts(output)
+            self.stats.record_expert_load(self._expert_load(output.num_tokens))
         self._advance(batch, output.num_tokens)
+        return self._finish_step(output)
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """async_scheduling: schedule and launch the next step, then read the one in flight and report
+        its outputs (minfer.engine.overlap)."""
+        batch = self.scheduler.schedule()
+        previous, self.in_flight = self.in_flight, None
+        if batch:
+            self.last_batch = batch
+            self.in_flight = launch(self.runner, batch, previous)
+            num_tokens = self.in_flight.step.paged.num_tokens
+            if self.moe_blocks:  # the routing's record (a copy to the host), read before the next step routes
+                self.in_flight.expert_load = self._expert_load(num_tokens)
+            self._advance(batch, num_tokens)
+            for index, (seq, _) in enumerate(self.in_flight.step.sampled):
+                seq.num_pending += 1
+                seq.pending_index = index
+        if previous is None:
+            if not batch and self.scheduler.has_unfinished():
+                raise RuntimeError("nothing could be scheduled although requests wait: the KV pool is too small")
+            return []
+        output = previous.result()
+        if previous.expert_load is not None:
+            self.stats.record_expert_load(previous.expert_load)
+        for seq, _ in output.sampled:
+            seq.num_pending -= 1
+        outputs = self._finish_step(output)
+        for seq, _ in output.sampled:  # a computed block that its new token completed is sealed now that the token is known
+            known = min(seq.num_computed, seq.num_tokens)
+            if known and known % self.blocks.block_size == 0 and not seq.finished:
+                self.blocks.seal_full_blocks(seq.block_table, seq.token_ids, known)
+        return outputs
+
+    def _expert_load(self, num_tokens: int) -> torch.Tensor:
+        return last_expert_load(self.moe_blocks, num_tokens, self.model.config.num_experts)
+
+    def _finish_step(self, output: StepOutput) -> list[RequestOutput]:
+        """A step's results: prompt logprobs, then its tokens (see _postprocess)."""
+        failed = self._score_prompts(output)
         for request, exc in failed:
             self._fail(request, exc)
         self.stats.padding_tokens += output.num_padding
@@ -219,9 +265,10 @@ class Engine:
         block_size = self.blocks.block_size
         for seq, count in batch:
             before = seq.num_computed
-            seq.num_computed = min(before + count, seq.num_tokens)  # drafts count once accepted
-            if seq.num_computed // block_size > before // block_size:  # a block filled up
-                self.blocks.seal_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
+            seq.num_computed = min(before + count, seq.num_tokens + seq.num_pending)  # drafts count once accepted
+            known = min(seq.num_computed, seq.num_tokens)  # a token in flight is sealed once it is read
+            if known // block_size > before // block_size:  # a block filled up
+                self.blocks.seal_full_blocks(seq.block_table, seq.token_ids, known)
         self.stats.computed_tokens += num_tokens
         self.stats.steps += 1
         self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, self.blocks.num_blocks - self.blocks.num_free_blocks)
@@ -232,8 +279,8 @@ class Engine:
         touched = dict(failed)
         for (seq, rows), token in zip(output.sampled, output.tokens):
             request = self.requests.get(seq.request_id)
-            if request is None:  # its request failed earlier in this loop
-                continue
+            if request is None or seq.finished:  # its request failed earlier in this loop, or (async scheduling)
+                continue  # it finished while this step was in flight
             touched[seq.request_id] = request
             try:
                 if seq.spec_token_ids:

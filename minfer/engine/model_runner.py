@@ -11,7 +11,7 @@ sequences and tokens:
   attention function replaced the model's (the kernels cannot call it);
 * the forward pass, with logits only where someone reads them;
 * batched sampling: one call draws the next token of every sequence that gets one, each row with
-  its own settings and its own random generator;
+  its own settings and its own random numbers (`draws` decides who and how, before the forward pass ends);
 * the decode path, chosen once: decode steps and speculative verification passes replayed as CUDA graphs
   on CUDA (`cuda_graphs.py`, the default there), plain decode steps through the compiled model with
   enforce_eager=False elsewhere (`compiled_decode.py`), or eager.
@@ -19,6 +19,9 @@ sequences and tokens:
     runner = ModelRunner(model, config)
     step = runner.run(batch)        # batch: [(sequence, new tokens), ...] from the scheduler
     step.tokens                     # the next token of each plain sequence in step.sampled
+
+`run` does it all and reads the tokens back; async scheduling (`overlap.py`) calls prepare, draws and forward
+itself and reads them later.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from minfer.engine.compiled_decode import CompiledDecode
 from minfer.engine.cuda_graphs import DecodeGraphs
 from minfer.engine.paged_kv import KVPool, PagedStep, SequenceSlice
 from minfer.layers.attention import attention_sdpa
-from minfer.layers.sampler import sample_next_tokens
+from minfer.layers.sampler import SamplingTensors, sample
 from minfer.models.llama import LlamaModel
 from minfer.sequence import Sequence
 
@@ -74,6 +77,9 @@ class PreparedStep:
     scored: list[tuple[Sequence, int, int]] = field(default_factory=list)
     seqs: list[Sequence] = field(default_factory=list)  # the scheduled sequences in paged.slices' order (prepare sorts)
     hidden_layers: Optional[tuple[int, ...]] = None  # hidden states wanted too, after these layers' outputs; None: not
+    # async scheduling: input_ids[0, pending_rows] are the previous step's draws[pending_from], still on the device
+    pending_rows: Optional[torch.Tensor] = None
+    pending_from: Optional[torch.Tensor] = None
 
     @property
     def plain_decode(self) -> bool:
@@ -189,6 +195,7 @@ class ModelRunner:
         batch = sorted(batch, key=lambda item: (item[1] == 1, item[0].num_computed if item[1] == 1 else 0))
         input_ids, positions, slices, sample_at, sampled = [], [], [], [], []
         score_at, scored = [], []  # prompt positions whose logits score the next prompt token (prompt_logprobs)
+        pending_rows, pending_from = [], []  # (async scheduling) inputs the previous step drew on the device
         for seq, count in batch:
             start, drafts = seq.num_computed, len(seq.spec_token_ids)
             slices.append(SequenceSlice(len(input_ids), count, start + count, seq.block_table))
@@ -198,9 +205,14 @@ class ModelRunner:
                 if first < last:
                     score_at += range(len(input_ids) + first - start, len(input_ids) + last - start)
                     scored.append((seq, first, last))
-            input_ids += seq.token_ids_between(start, start + count)  # draft tokens ride along to be verified
+            if seq.num_pending:  # its one new token is the one in flight: a placeholder, filled in on the device
+                pending_rows.append(len(input_ids))
+                pending_from.append(seq.pending_index)
+                input_ids.append(0)
+            else:
+                input_ids += seq.token_ids_between(start, start + count)  # draft tokens ride along to be verified
             positions += range(start, start + count)
-            if start + count == seq.num_tokens + drafts:  # all it knows: sample (and verify drafts)
+            if start + count == seq.num_tokens + seq.num_pending + drafts:  # all it knows: sample (and verify drafts)
                 sampled.append((seq, slice(len(sample_at), len(sample_at) + 1 + drafts)))
                 sample_at += range(len(input_ids) - 1 - drafts, len(input_ids))
         device = self.device
@@ -214,9 +226,13 @@ class ModelRunner:
             padding = bucket_for(len(input_ids)) - len(input_ids)
             input_ids, positions = input_ids + [0] * padding, positions + [0] * padding
             logits_rows = logits_rows + [0] * (bucket_for(len(logits_rows)) - len(logits_rows)) if logits_rows else []
-        return PreparedStep(torch.tensor([input_ids], device=device), torch.tensor([positions], device=device), paged,
+        step = PreparedStep(torch.tensor([input_ids], device=device), torch.tensor([positions], device=device), paged,
                             torch.tensor(logits_rows, dtype=torch.long, device=device), sampled, scored, seqs,
                             hidden_layers)
+        if pending_rows:
+            step.pending_rows = torch.tensor(pending_rows, device=device)
+            step.pending_from = torch.tensor(pending_from, device=device)
+        return step
 
     def release(self, seq: Sequence) -> None:
         """A sequence has left the engine: forget its block table's row."""
@@ -231,28 +247,55 @@ class ModelRunner:
         keep_hidden: also return every new token's pre-norm hidden state (StepOutput.hidden).
         hidden_layers: with keep_hidden, earlier layers whose outputs come first in each row (`LlamaModel.hidden_states`)."""
         step = self.prepare(batch, tuple(hidden_layers) if keep_hidden else None)
-        fast = self.decode_step
-        served = fast(step) if fast is not None and fast.serves(step) else None
-        if served is not None:
-            logits, states = served
-        elif keep_hidden:  # not a step the fast path serves (or its recording failed): eagerly
-            states = self.model.hidden_states(step.input_ids, step.positions, step.paged, keep_layers=hidden_layers)[0]
-            logits = self.model.logits(states[step.logits_indices, -self.model.config.hidden_size:])
-        else:
-            logits = self.model(step.input_ids, step.positions, step.paged, logits_indices=step.logits_indices)[0]
+        draws = self.draws(step)
+        logits, states = self.forward(step)
         hidden = ([(seq, s.context_len - s.query_len, states[s.query_start:s.query_start + s.query_len])
                    for seq, s in zip(step.seqs, step.paged.slices)] if keep_hidden else [])
         tokens: list[Optional[int]] = [None] * len(step.sampled)
-        plain = [i for i, (seq, _) in enumerate(step.sampled) if not seq.spec_token_ids]
-        if plain:
-            seqs = [step.sampled[i][0] for i in plain]
-            rows = logits[[step.sampled[i][1].start for i in plain]]  # a copy: logprobs still see the raw logits
-            if mask_logits is not None and any(s.grammar is not None for s in seqs):
-                mask_logits(rows, [s.grammar for s in seqs])
-            drawn = sample_next_tokens(rows, [s.params for s in seqs], [s.seed for s in seqs],
-                                       [len(s.output_ids) for s in seqs])
-            for i, token in zip(plain, drawn):
+        if draws.indices:
+            rows = logits[draws.rows]  # a copy: logprobs still see the raw logits
+            grammars = [step.sampled[i][0].grammar for i in draws.indices]
+            if mask_logits is not None and any(g is not None for g in grammars):
+                mask_logits(rows, grammars)
+            for i, token in zip(draws.indices, sample(rows, draws.settings).tolist()):
                 tokens[i] = token
         num_tokens = step.paged.num_tokens
         return StepOutput(step.sampled, tokens, step.scored, logits, num_tokens, step.input_ids.shape[1] - num_tokens,
                           hidden)
+
+    def draws(self, step: PreparedStep) -> "Draws":
+        """Who among step.sampled draws a plain next token (no drafts to verify), and with what settings.
+        Host work only: it may run before the forward pass has finished."""
+        indices = [i for i, (seq, _) in enumerate(step.sampled) if not seq.spec_token_ids]
+        seqs = [step.sampled[i][0] for i in indices]
+        # the counter is the index of the token drawn: tokens still in flight count (async scheduling)
+        settings = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs],
+                                         [len(s.output_ids) + s.num_pending for s in seqs],
+                                         self.model.config.vocab_size, self.device) if seqs else None
+        return Draws(indices, [step.sampled[i][1].start for i in indices], settings)
+
+    def forward(self, step: PreparedStep, drawn_before: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The step through the model: (logits at step.logits_indices, the hidden states when
+        step.hidden_layers asks, else None). The fast path when it serves the step, else eagerly.
+        drawn_before: the previous step's draws, where some inputs are still to come from (async scheduling)."""
+        if step.pending_rows is not None:  # a device-side copy: the host never reads these tokens first
+            step.input_ids[0, step.pending_rows] = drawn_before[step.pending_from]
+        fast = self.decode_step
+        served = fast(step) if fast is not None and fast.serves(step) else None
+        if served is not None:
+            return served
+        if step.hidden_layers is not None:  # not a step the fast path serves (or its recording failed): eagerly
+            states = self.model.hidden_states(step.input_ids, step.positions, step.paged, keep_layers=step.hidden_layers)[0]
+            return self.model.logits(states[step.logits_indices, -self.model.config.hidden_size:]), states
+        return self.model(step.input_ids, step.positions, step.paged, logits_indices=step.logits_indices)[0], None
+
+
+@dataclass
+class Draws:
+    """The plain next tokens a step draws: which of its sampled sequences (indices), at which logits rows, with
+    which settings (`SamplingTensors`; None when all are greedy)."""
+
+    indices: list[int]
+    rows: list[int]
+    settings: Optional[SamplingTensors]

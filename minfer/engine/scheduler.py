@@ -75,9 +75,11 @@ class Scheduler:
         for seq in list(self.running):
             if seq in preempted:  # preempted below to make room for an older one: so are all after it
                 break
+            if seq.num_pending and len(seq.output_ids) + seq.num_pending >= seq.max_tokens:
+                continue  # its token in flight is its last (async scheduling): nothing more to compute
             if seq.spec_token_ids:
                 self._fit_draft(seq, budget)
-            todo = min(seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed, budget)
+            todo = min(seq.num_tokens + seq.num_pending + len(seq.spec_token_ids) - seq.num_computed, budget)
             if todo <= 0:
                 break
             while not self.blocks.can_append(seq.num_computed + todo, seq.block_table):

@@ -72,15 +72,17 @@ SAMPLING = {"greedy": [SamplingParams(temperature=0.0, **AS_GENERATE)],
             "greedy, streamed": [SamplingParams(temperature=0.0)]}
 
 
-def tiny_llm(folder: str, max_num_seqs: int, device: str = "cpu") -> LLM:
-    """SmolLM2's tokenizer on a 2-layer, 64-wide Llama with a 512-token vocabulary (random weights)."""
+def tiny_llm(folder: str, max_num_seqs: int, device: str = "cpu", **engine_args) -> LLM:
+    """SmolLM2's tokenizer on a 2-layer, 64-wide Llama with a 512-token vocabulary (random weights); engine_args
+    go to the LLM."""
     from minfer.models.loader import load_tokenizer
     from minfer.lab.testing import tiny_hf_checkpoint
 
     tokenizer = load_tokenizer("smollm2-135m")
     tiny_hf_checkpoint(folder, tokenizer, vocab_size=VOCAB, max_position_embeddings=1024)
     return LLM(folder, dtype="float32", device=device, max_num_seqs=max_num_seqs,
-               max_num_batched_tokens=max(512, max_num_seqs * PROMPT_LEN), num_gpu_blocks_override=max_num_seqs * 8)
+               max_num_batched_tokens=max(512, max_num_seqs * PROMPT_LEN), num_gpu_blocks_override=max_num_seqs * 8,
+               **engine_args)
 
 
 def measure(llm: LLM, batch: int, steps: int, sampling: str = "mixed", repeats: int = 3) -> HostRow:
