@@ -280,6 +280,36 @@ def test_metrics_count_draft_tokens(tiny_model):
         assert s.stop() == 0
 
 
+def test_async_scheduling_answers_as_the_offline_engine_and_aborts_cleanly(tiny_model):
+    """--async-scheduling: concurrent plain and streamed completions equal the synchronous offline engine's; a client
+    that leaves mid-stream (its next token in flight) is aborted and its blocks come back."""
+    from minfer import LLM
+
+    s = Server(tiny_model, "--served-model-name", "tiny", "--async-scheduling", "--max-num-seqs", "4")
+    try:
+        prompts = [f"a b c d {'e ' * i}" for i in range(8)]
+        expected = offline(LLM(tiny_model), prompts, temperature=0, max_tokens=12, ignore_eos=True)
+        client = s.client()
+
+        def ask(i: int) -> str:
+            args = dict(model="tiny", prompt=prompts[i], max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+            if i % 2:
+                return "".join(c.choices[0].text for c in client.completions.create(stream=True, **args))
+            return client.completions.create(**args).choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(ask, range(len(prompts)))) == expected
+        body = {"model": "tiny", "prompt": prompts[0], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as response:
+            events = (line for line in response.iter_lines() if line.startswith("data:"))
+            for _ in range(3):
+                next(events)
+        assert wait_until(lambda: s.metric("num_requests_running") == 0)
+        assert wait_until(lambda: s.metric("kv_cache_usage_perc") == 0)
+    finally:
+        assert s.stop() == 0
+
+
 # ---------------------------------------------------------------- limits and lifecycle (a tiny model)
 def test_api_key(tiny_model):
     s = Server(tiny_model, "--served-model-name", "tiny", env={"MINFER_API_KEY": "sesame"})
