@@ -125,6 +125,20 @@ def test_engine_counts_tokens_per_expert(checkpoint):
     assert 1 <= stats.mean_distinct_experts <= 8
 
 
+def test_async_scheduling_counts_the_same_experts(checkpoint):
+    """With async scheduling each step's routing is recorded when the step is launched and counted when it is read:
+    the same tokens and the same token-expert pairs as the synchronous engine (nothing stops early: no wasted rows)."""
+    folder, _ = checkpoint("qwen2_moe-8x2")
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10, 11]}]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    runs = []
+    for async_scheduling in (False, True):
+        llm = LLM(folder, dtype="float32", num_gpu_blocks_override=64, block_size=8, async_scheduling=async_scheduling)
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        runs.append((tokens, llm.engine.stats.expert_tokens.tolist(), llm.engine.stats.moe_steps))
+    assert runs[1] == runs[0]
+
+
 @pytest.mark.parametrize("name", ["mixtral-4x2", "qwen2_moe-6x3-step2", "qwen3_moe-16x4-dense1", "qwen3"])
 def test_saved_checkpoint_loads_in_transformers(checkpoint, tmp_path, name):
     """ModelConfig.to_hf_dict writes the experts back in transformers' names: the saved copy is the same model."""
