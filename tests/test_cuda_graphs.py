@@ -67,8 +67,9 @@ SCRIPT = textwrap.dedent("""
     def failing(run, memory_pool):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    def engine(recorder):
-        llm = LLM(folder, dtype="float32", device="cpu", block_size=4, max_num_seqs=5, num_gpu_blocks_override=64)
+    def engine(recorder, **engine_args):
+        llm = LLM(folder, dtype="float32", device="cpu", block_size=4, max_num_seqs=5, num_gpu_blocks_override=64,
+                  **engine_args)
         with torch.no_grad():
             llm.model.norm.weight.mul_(30)  # random weights give nearly flat logits: make the argmax clear
         runner = llm.engine.runner
@@ -95,6 +96,17 @@ SCRIPT = textwrap.dedent("""
     assert len(replayed) >= 11, replayed  # every decode step after the first of its size replays (12 tokens: 11 decodes)
     assert llm.engine.blocks.num_free_blocks == 64
     print("graph replays == eager:", sum(len(t) for t, _ in graphed), "tokens,", len(replayed), "replays")
+
+    # async scheduling: each decode step's input is filled on the device from the step before, then copied into
+    # the graph's buffers and replayed
+    replays_before = len(replayed)
+    llm = engine(stand_in, async_scheduling=True)
+    overlapped = generate(llm)
+    for (tokens, logprobs), (tokens_a, logprobs_a) in zip(eager, overlapped):
+        assert tokens == tokens_a, (tokens, tokens_a)
+        assert torch.allclose(torch.tensor(sum(logprobs, [])), torch.tensor(sum(logprobs_a, [])), atol=1e-5)
+    assert len(replayed) - replays_before >= 11 and llm.engine.blocks.num_free_blocks == 64
+    print("async scheduling with graph replays == eager")
 
     llm = engine(failing)
     with warnings.catch_warnings(record=True) as caught:
@@ -189,6 +201,7 @@ def test_decode_graphs_replay_the_eager_step():
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "graph replays == eager" in done.stdout and "falls back to eager" in done.stdout
+    assert "async scheduling with graph replays == eager" in done.stdout
     assert "with [ngram]: verification passes replayed" in done.stdout and "with an EAGLE head: verification" in done.stdout
     assert "draft model steps replayed" in done.stdout
 
@@ -212,26 +225,28 @@ def test_graphs_only_where_they_can_record(random_tiny_dir, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="records real CUDA graphs: needs a GPU (benchmarks/gpu_check.sh runs it)")
 def test_cuda_graphs_on_a_gpu(random_tiny_dir):
     """The real recording: the default (enforce_eager=None) on CUDA records graphs and gives the eager engine's
-    tokens and logprobs."""
+    tokens and logprobs, with async scheduling too."""
     from minfer import LLM, SamplingParams
 
     prompts = [{"prompt_token_ids": list(range(3 + i, 3 + 5 * i + 7))} for i in range(5)]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3) for n in (3, 9, 5, 12, 7)]
     results = {}
-    for eager in (True, None):
-        llm = LLM(random_tiny_dir, dtype="float32", device="cuda", max_num_seqs=5, enforce_eager=eager)
+    for eager, overlap in ((True, False), (None, False), (None, True)):  # eager; graphs; graphs, async scheduling
+        llm = LLM(random_tiny_dir, dtype="float32", device="cuda", max_num_seqs=5, enforce_eager=eager,
+                  async_scheduling=overlap)
         with torch.no_grad():
             llm.model.norm.weight.mul_(30)  # random weights give nearly flat logits: make the argmax clear
         outs = llm.generate(prompts, params, use_tqdm=False)
-        results[eager] = [(o.outputs[0].token_ids, [lp[t].logprob for lp in o.outputs[0].logprobs for t in sorted(lp)])
-                          for o in outs]
+        results[eager, overlap] = [(o.outputs[0].token_ids, [lp[t].logprob for lp in o.outputs[0].logprobs
+                                                              for t in sorted(lp)]) for o in outs]
         if not eager:
             graphs = llm.engine.runner.decode_step
             assert graphs is not None and graphs.failed is None, graphs and graphs.failed
             assert (8, None) in graphs.replays and (1, None) in graphs.replays, sorted(graphs.replays)
-    for (tokens, logprobs), (tokens_g, logprobs_g) in zip(results[True], results[None]):
-        assert tokens == tokens_g
-        assert torch.allclose(torch.tensor(logprobs), torch.tensor(logprobs_g), atol=1e-4)
+    for graphed in (results[None, False], results[None, True]):
+        for (tokens, logprobs), (tokens_g, logprobs_g) in zip(results[True, False], graphed):
+            assert tokens == tokens_g
+            assert torch.allclose(torch.tensor(logprobs), torch.tensor(logprobs_g), atol=1e-4)
     # speculative decoding: the verification passes (1 + k rows per sequence) are recorded and replayed too
     repeating = [{"prompt_token_ids": [3 + i, 9, 4, 7] * 5} for i in range(5)]
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
