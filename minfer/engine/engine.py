@@ -62,7 +62,8 @@ class EngineStats:
     moe_steps: int = 0
 
     def record_expert_load(self, load: torch.Tensor) -> None:
-        """One step's token-expert pairs, [sparse layers, experts] (padding rows left out)."""
+        """One step's token-expert pairs, [sparse layers, experts] (padding rows left out), kept on the CPU."""
+        load = load.cpu()
         self.step_tokens_per_expert = load
         self.expert_tokens = load if self.expert_tokens is None else self.expert_tokens + load
         self.step_distinct_experts = (load > 0).sum(dim=1).tolist()
@@ -212,7 +213,7 @@ class Engine:
             self.last_batch = batch
             self.in_flight = launch(self.runner, batch, previous)
             num_tokens = self.in_flight.step.paged.num_tokens
-            if self.moe_blocks:  # the routing's record (a copy to the host), read before the next step routes
+            if self.moe_blocks:  # the routing's counts (on the device), taken before the next step routes
                 self.in_flight.expert_load = self._expert_load(num_tokens)
             self._advance(batch, num_tokens)
             for index, (seq, _) in enumerate(self.in_flight.step.sampled):

@@ -106,8 +106,10 @@ def _combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 def tokens_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """How many token-expert pairs each expert received: [E] int64 (sums to T * k)."""
-    return torch.bincount(expert_ids.reshape(-1).long(), minlength=num_experts)
+    """How many token-expert pairs each expert received: [E] int64 (sums to T * k). (Not torch.bincount: on CUDA
+    it reads the ids' range back to the host, which would wait for the step that routed them.)"""
+    flat = expert_ids.reshape(-1).long()
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def distinct_experts(expert_ids: torch.Tensor) -> int:

@@ -101,5 +101,5 @@ def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
 
 def last_expert_load(blocks: list[SparseMoeBlock], num_tokens: int, num_experts: int) -> torch.Tensor:
     """Token-expert pairs per expert in each sparse layer's last forward, its first num_tokens rows only
-    (the rest are a step's padding): [sparse layers, E] int64."""
-    return torch.stack([tokens_per_expert(b.last_expert_ids[:num_tokens], num_experts) for b in blocks]).cpu()
+    (the rest are a step's padding): [sparse layers, E] int64, on the model's device."""
+    return torch.stack([tokens_per_expert(b.last_expert_ids[:num_tokens], num_experts) for b in blocks])
