@@ -126,7 +126,7 @@ class EagleProposer(Proposer):
             self.blocks.extend(state.block_table, newest - state.start + k - 1)  # the last guess is never fed
             slices.append(SequenceSlice(len(positions), newest - first, newest - state.start, state.block_table))
             features.append(state.features[first:newest])
-            ids += seq.token_ids[first + 1:newest + 1]
+            ids += seq.token_ids_between(first + 1, newest + 1)
             positions += range(first - state.start, newest - state.start)
             last_row[i] = len(positions) - 1
             state.rows = newest - state.start  # the rows run now are final (the target's features)
