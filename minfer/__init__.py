@@ -12,6 +12,7 @@ never one above, and nothing imports in a circle (tests/test_import_layers.py ho
     outputs.py         what generate() returns: RequestOutput, CompletionOutput, timing metrics
     detokenizer.py     the text of a growing sequence of tokens, a few tokens per step
     sequence.py        one completion being generated: prompt, settings, tokens so far, when to stop
+    host_copy.py       host data onto the device without waiting for it (pinned, queued copies)
     layers/            the pieces the model is built from and the engine calls
     kv_cache.py        a contiguous KV cache (chapter 02), one of the caches attention writes to
     models/            the decoder and its loading

@@ -9,6 +9,7 @@ import torch
 
 from minfer import SamplingParams
 from minfer.engine import engine as engine_module
+from minfer.lab.host_sync import DeviceCopies, HostReads
 from minfer.sampling_params import StructuredOutputsParams
 
 
@@ -135,40 +136,18 @@ def test_an_abort_while_a_token_is_in_flight(tiny_llm):
     assert engine.blocks.num_free_blocks == 64
 
 
-class HostReads:
-    """Counts what reads tensor values into Python while active: .tolist(), .item(), int(), float(), bool()."""
-
-    NAMES = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "numpy")
-
-    def __init__(self) -> None:
-        self.count, self.saved = 0, {}
-
-    def __enter__(self):
-        for name in self.NAMES:
-            original = self.saved[name] = getattr(torch.Tensor, name)
-
-            def counted(tensor, *args, _original=original, **kwargs):
-                self.count += 1
-                return _original(tensor, *args, **kwargs)
-
-            setattr(torch.Tensor, name, counted)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for name, original in self.saved.items():
-            setattr(torch.Tensor, name, original)
-
-
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_launching_a_step_reads_nothing_back(tiny_llm, monkeypatch, temperature):
     """Preparing, running and sampling the next step reads no tensor into Python (on a GPU each read would wait
-    for the step in flight); the step's tokens reach the host once, when the engine reads them."""
-    launches, reads, launch = [], [], engine_module.launch
+    for the step in flight) and moves host data to the device only through `to_device` (pinned, queued); the
+    step's tokens reach the host once, when the engine reads them."""
+    launches, reads, copies, launch = [], [], [], engine_module.launch
 
     def counted_launch(*args, **kwargs):
-        with HostReads() as host_reads:
+        with HostReads() as host_reads, DeviceCopies() as device_copies:
             step = launch(*args, **kwargs)
         reads.append(host_reads.count)
+        copies.extend(device_copies.outside)
         launches.append(step)
         return step
 
@@ -177,7 +156,7 @@ def test_launching_a_step_reads_nothing_back(tiny_llm, monkeypatch, temperature)
     prompts, _ = workload(seed=3)
     params = SamplingParams(temperature=temperature, top_k=20, seed=1, max_tokens=12, ignore_eos=True)
     llm.generate(prompts[:6], params, use_tqdm=False)
-    assert len(launches) >= 12 and reads == [0] * len(launches)
+    assert len(launches) >= 12 and reads == [0] * len(launches) and copies == []
     assert any(step.step.pending_rows is not None for step in launches)  # inputs taken from a step in flight
 
 
@@ -200,3 +179,15 @@ def test_the_flag_has_vllms_spelling():
     add_engine_arguments(parser)
     assert engine_kwargs_from_args(parser.parse_args(["--async-scheduling"]))["async_scheduling"] is True
     assert engine_kwargs_from_args(parser.parse_args([]))["async_scheduling"] is False
+
+
+def test_to_device_keeps_values_and_dtype():
+    from minfer.host_copy import to_device
+
+    made = to_device([[1, 2], [3, 4]], "cpu", torch.int32)
+    assert made.dtype == torch.int32 and made.tolist() == [[1, 2], [3, 4]]
+    tensor = torch.arange(5)
+    assert to_device(tensor, "cpu") is tensor  # on the CPU: no copy at all
+    assert to_device(tensor, torch.device("cpu"), torch.float32).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    if torch.cuda.is_available():  # pinned and queued, then the same values
+        assert to_device(tensor, "cuda").cpu().tolist() == tensor.tolist()

@@ -10,6 +10,7 @@ import torch
 from minfer import LLM, SamplingParams
 from minfer.config import EngineConfig
 from minfer.engine.engine import Engine
+from minfer.lab.host_sync import DeviceCopies
 from minfer.kv_cache import KVCache
 from minfer.lab.distill import chained_guesses
 from minfer.speculative import EagleProposer, make_proposer
@@ -194,7 +195,19 @@ def test_a_head_that_reads_an_earlier_layer_too(tiny, tmp_path):
 
 
 def test_sampling_with_the_head_is_seeded(tiny):
+    """Seeded sampling repeats; the head's proposals move host data to the device only queued (`to_device`)."""
     prompt = {"prompt_token_ids": [3, 1, 4, 1, 5]}
     params = SamplingParams(temperature=0.8, top_k=50, seed=7, max_tokens=30, ignore_eos=True)
-    runs = [run_engine(tiny, [prompt], [params], EagleProposer(random_head(tiny.model), VOCAB), 3)[0] for _ in range(2)]
+    proposers, copies = [EagleProposer(random_head(tiny.model), VOCAB) for _ in range(2)], []
+    propose = proposers[0].propose
+
+    def watched(*args):
+        with DeviceCopies() as device_copies:
+            proposals = propose(*args)
+        copies.extend(device_copies.outside)
+        return proposals
+
+    proposers[0].propose = watched
+    runs = [run_engine(tiny, [prompt], [params], proposer, 3)[0] for proposer in proposers]
     assert runs[0] == runs[1] and len(runs[0][0]) == 30
+    assert copies == []

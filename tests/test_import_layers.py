@@ -25,7 +25,8 @@ LAYERS = [
     ("kernels", ["minfer.kernels"]),                      # Triton kernels: a leaf, they import only formats
     ("core", ["minfer.config", "minfer.texts",            # shared leaf modules: configuration, the fixed texts,
               "minfer.sampling_params", "minfer.logprobs",  # a request's settings and outputs
-              "minfer.outputs", "minfer.detokenizer", "minfer.sequence"]),
+              "minfer.outputs", "minfer.detokenizer", "minfer.sequence",
+              "minfer.host_copy"]),                       # and host data onto the device without waiting
     ("layers", ["minfer.layers", "minfer.kv_cache"]),     # what the model is built from and the engine calls
     ("models", ["minfer.models"]),                        # the decoder and its loading
     ("quant", ["minfer.quant", "minfer.moe",              # transforms of a loaded model: quantizers, carved experts

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from minfer import SamplingParams
 from minfer.engine.engine import Engine
+from minfer.lab.host_sync import DeviceCopies
 from minfer.models.llama import LlamaModel
 from minfer.models.loader import load_model
 from minfer.outputs import RequestMetrics
@@ -477,9 +478,10 @@ def test_a_draft_pass_reads_no_token_into_python_until_it_ends(tiny_llm, params)
     proposer = DraftModelProposer(llm.model, VOCAB)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     seq = Sequence(prompt, params, params.max_tokens, 3, RequestMetrics(0.0, num_prompt_tokens=len(prompt)))
-    with ScalarReads() as reads:
+    with ScalarReads() as reads, DeviceCopies() as copies:
         (drafts, probs), = proposer.propose([seq], [5])
     assert reads.count == 0 and len(drafts) == 5
+    assert copies.outside == []  # host data reaches the device queued (minfer.host_copy), never waiting
     assert probs is None if params.greedy else probs.shape == (5, VOCAB)
     if params.greedy:  # the target as its own draft guesses exactly what it would decode
         plain = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids

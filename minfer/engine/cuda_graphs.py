@@ -43,6 +43,7 @@ import torch
 
 from minfer.engine.buckets import TOKEN_BUCKETS, bucket_for
 from minfer.engine.paged_kv import KVPool, attend_with_kernels
+from minfer.host_copy import to_device
 from minfer.layers.attention import AttentionFn
 from minfer.models.llama import LlamaModel
 
@@ -118,7 +119,7 @@ class DecodeGraphs:
         self.positions[:, :rows] = step.positions[:, :rows]
         self.slot_mapping[:rows] = paged.slot_mapping
         self.slot_mapping[rows:size] = -1  # extra rows store nothing...
-        self.block_tables[:rows, :tables.shape[1]] = tables
+        self.block_tables[:rows, :tables.shape[1]] = to_device(tables, self.block_tables.device)
         self.context_lens[:rows] = step.positions[0, :rows] + 1  # each row sees its sequence up to itself
         self.context_lens[rows:size] = 1  # ...and read one token of whatever block their row names
         key = (size, step.hidden_layers)

@@ -36,6 +36,7 @@ from minfer.engine.buckets import bucket_for
 from minfer.engine.compiled_decode import CompiledDecode
 from minfer.engine.cuda_graphs import DecodeGraphs
 from minfer.engine.paged_kv import KVPool, PagedStep, SequenceSlice
+from minfer.host_copy import to_device
 from minfer.layers.attention import attention_sdpa
 from minfer.layers.sampler import SamplingTensors, sample
 from minfer.models.llama import LlamaModel
@@ -226,12 +227,10 @@ class ModelRunner:
             padding = bucket_for(len(input_ids)) - len(input_ids)
             input_ids, positions = input_ids + [0] * padding, positions + [0] * padding
             logits_rows = logits_rows + [0] * (bucket_for(len(logits_rows)) - len(logits_rows)) if logits_rows else []
-        step = PreparedStep(torch.tensor([input_ids], device=device), torch.tensor([positions], device=device), paged,
-                            torch.tensor(logits_rows, dtype=torch.long, device=device), sampled, scored, seqs,
-                            hidden_layers)
+        step = PreparedStep(to_device([input_ids], device), to_device([positions], device), paged,
+                            to_device(logits_rows, device, torch.long), sampled, scored, seqs, hidden_layers)
         if pending_rows:
-            step.pending_rows = torch.tensor(pending_rows, device=device)
-            step.pending_from = torch.tensor(pending_from, device=device)
+            step.pending_rows, step.pending_from = to_device(pending_rows, device), to_device(pending_from, device)
         return step
 
     def release(self, seq: Sequence) -> None:
@@ -272,7 +271,7 @@ class ModelRunner:
         settings = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs],
                                          [len(s.output_ids) + s.num_pending for s in seqs],
                                          self.model.config.vocab_size, self.device) if seqs else None
-        return Draws(indices, [step.sampled[i][1].start for i in indices], settings)
+        return Draws(indices, to_device([step.sampled[i][1].start for i in indices], self.device, torch.long), settings)
 
     def forward(self, step: PreparedStep, drawn_before: Optional[torch.Tensor] = None
                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -297,5 +296,5 @@ class Draws:
     which settings (`SamplingTensors`; None when all are greedy)."""
 
     indices: list[int]
-    rows: list[int]
+    rows: torch.Tensor  # int64, on the device
     settings: Optional[SamplingTensors]

@@ -22,6 +22,8 @@ What makes that possible:
 
 On a GPU, launching is queueing kernels: the host returns at once and the device runs the steps
 back to back, while the host reads step n's tokens (which waits for step n only) and works on them.
+For that, nothing in a launch may wait for the device: no value read back, and every input copied from
+pinned memory without blocking (`minfer.host_copy.to_device`); `tests/test_async_scheduling.py` checks both.
 On a CPU the model runs on the calling thread, so nothing overlaps there: the steps come out the same, in
 the same order, and a step costs what it costs synchronously (running the model on a second thread was
 measured slower; see docs/benchmarks.md). The CPU runs exactly the code that a GPU runs, which is what

@@ -37,6 +37,7 @@ import torch
 from minfer.config import ModelConfig
 from minfer.engine.buckets import bucket_for
 from minfer.formats.hardware import check_fp8_supported
+from minfer.host_copy import to_device
 from minfer.formats.kv import FP8_DTYPE, check_kv_cache_dtype, dequantize_kv, fp8_scale, quantize_kv, quantize_kv_fp8
 from minfer.kernels.paged_cache import gather_blocks, slots_for_positions
 from minfer.layers.attention import AttentionFn
@@ -174,20 +175,20 @@ class PagedStep:
         # where its KV goes, and what a CUDA graph's step reads (`minfer.engine.cuda_graphs`)
         self.token_tables = (tables.repeat_interleave(torch.tensor([s.query_len for s in slices]), dim=0)
                              if self.prefills else tables)
-        self.slot_mapping = slots_for_positions(self.token_tables, positions, pool.block_size).to(device)
+        self.slot_mapping = to_device(slots_for_positions(self.token_tables, positions, pool.block_size), device)
         if use_kernels:  # one kernel call for all prefills, one for all decodes
             split = len(self.prefills)
             if self.prefills:
-                self.prefill_tables = tables[:split].to(device)
-                self.prefill_lens = torch.tensor([s.context_len for s in self.prefills], dtype=torch.int32, device=device)
+                self.prefill_tables = to_device(tables[:split], device)
+                self.prefill_lens = to_device([s.context_len for s in self.prefills], device, torch.int32)
                 starts = [s.query_start for s in self.prefills] + [self.decode_start]
-                self.prefill_cu_seqlens = torch.tensor(starts, dtype=torch.int32, device=device)
+                self.prefill_cu_seqlens = to_device(starts, device, torch.int32)
                 self.prefill_max_q_len = max(s.query_len for s in self.prefills)  # known here: no sync per layer
             if self.decodes:
-                self.decode_tables = tables[split:].to(device)
-                self.decode_lens = torch.tensor([s.context_len for s in self.decodes], dtype=torch.int32, device=device)
+                self.decode_tables = to_device(tables[split:], device)
+                self.decode_lens = to_device([s.context_len for s in self.decodes], device, torch.int32)
         else:  # the gather path: tables built once per step, not once per layer
-            self.prefill_tables = [tables[i:i + 1, :len(s.block_table)].to(device) for i, s in enumerate(self.prefills)]
+            self.prefill_tables = [to_device(tables[i:i + 1, :len(s.block_table)], device) for i, s in enumerate(self.prefills)]
             self.prefill_runs = [first_of_run(s.block_table) for s in self.prefills]
             self.decode_groups, first = [], len(self.prefills)
             for group in split_by_length(self.decodes):
@@ -294,9 +295,9 @@ def decode_group(decodes: list[SequenceSlice], tables: torch.Tensor, block_size:
     tables = tables[:, :widest_table(decodes)]
     if bucket_width and len(decodes) > 1:  # (a lone sequence may be read in place: no padding there)
         tables = torch.nn.functional.pad(tables, (0, bucket_for(tables.shape[1]) - tables.shape[1]))  # block 0: masked
-    tables = tables.to(device)
+    tables = to_device(tables, device)
     width = tables.shape[1] * block_size
-    lens = torch.tensor([s.context_len for s in decodes], device=device)
+    lens = to_device([s.context_len for s in decodes], device)
     mask = (torch.arange(width, device=device)[None] < lens[:, None])[:, None, None, :]
     first_block = first_of_run(decodes[0].block_table) if len(decodes) == 1 else None
     return DecodeGroup(decodes[0].query_start, decodes[-1].query_start + 1, tables, mask, first_block)

@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from minfer.host_copy import to_device
 from minfer.sampling_params import SamplingParams
 
 # SplitMix64's constants (Steele, Lea and Flood, 2014), as signed 64-bit integers: torch's int64
@@ -97,9 +98,9 @@ class SamplingTensors:
             widest = max(widest, top_k)  # a row without top-k needs every token ranked
         if not rows:
             return None
-        floats = torch.tensor(settings, dtype=torch.float32).to(device)  # top_k < 2^24: exact in float32
-        ints = torch.tensor(randomness, dtype=torch.long).to(device)
-        return cls(None if len(rows) == len(params) else torch.tensor(rows, device=device),
+        floats = to_device(settings, device, torch.float32)  # top_k < 2^24: exact in float32
+        ints = to_device(randomness, device, torch.long)
+        return cls(None if len(rows) == len(params) else to_device(rows, device),
                    floats[:, 0], floats[:, 1].long(), floats[:, 2], floats[:, 3], ints[:, 0], ints[:, 1],
                    any_min_p, widest if any_filter else 0)
 
@@ -141,10 +142,9 @@ def filter_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
     """One row of logits [vocab] through `filter_rows`, with plain numbers for settings (top_k 0 or -1: off)."""
     vocab = logits.shape[-1]
-    row = dict(device=logits.device)
     top_k = top_k if 0 < top_k < vocab else vocab
-    return filter_rows(logits[None].float(), torch.tensor([float(temperature)], **row), torch.tensor([top_k], **row),
-                       torch.tensor([float(top_p)], **row), torch.tensor([float(min_p)], **row),
+    settings = to_device([[temperature, top_k, top_p, min_p]], logits.device, torch.float32)  # one copy; top_k exact
+    return filter_rows(logits[None].float(), settings[:, 0], settings[:, 1].long(), settings[:, 2], settings[:, 3],
                        use_min_p=min_p > 0, candidates=top_k if top_k < vocab else vocab if top_p < 1 else 0)[0]
 
 

@@ -20,6 +20,7 @@ import torch
 from minfer.engine.cuda_graphs import DecodeGraphs
 from minfer.engine.model_runner import PreparedStep
 from minfer.engine.paged_kv import KVPool
+from minfer.host_copy import to_device
 from minfer.layers.sampler import draw
 from minfer.sequence import Sequence
 from minfer.speculative.proposer import Proposal
@@ -88,14 +89,15 @@ def pick_guesses(logits: torch.Tensor, seqs: list[Sequence], head_token_ids: Opt
                  vocab_size: int) -> Guesses:
     """One guess per row of logits [rows, scored tokens] (a device tensor [rows]) and, for sampled rows, the
     distribution over the target's vocabulary it was drawn from: the request's own settings and generator.
-    head_token_ids: the target ids of the scored tokens when the network scores only some (None: all)."""
+    head_token_ids: the target ids of the scored tokens when the network scores only some (None: all), on the
+    logits' device (a buffer of the drafting network)."""
     if all(seq.params.greedy for seq in seqs):
         best = logits.argmax(dim=-1)
-        return (best if head_token_ids is None else head_token_ids.to(best.device)[best]), [None] * len(seqs)
+        return (best if head_token_ids is None else head_token_ids[best]), [None] * len(seqs)
     full = logits
     if head_token_ids is not None:  # the other tokens are never proposed: -inf
         full = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
-        full[:, head_token_ids.to(logits.device)] = logits
+        full[:, head_token_ids] = logits
     tokens, dists = [], []
     for row, seq in zip(full, seqs):
         if seq.params.greedy:
@@ -103,7 +105,7 @@ def pick_guesses(logits: torch.Tensor, seqs: list[Sequence], head_token_ids: Opt
             dists.append(None)
         else:
             q = processed_probs(row[None], seq.params)[0]
-            tokens.append(draw(q[None], torch.rand(1, generator=seq.generator).to(q.device)))
+            tokens.append(draw(q[None], to_device(torch.rand(1, generator=seq.generator), q.device)))
             dists.append(q)
     return torch.cat(tokens), dists
 

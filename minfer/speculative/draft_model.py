@@ -35,6 +35,7 @@ import torch
 from minfer.engine.cuda_graphs import DecodeGraphs, Recorder, record_cuda_graph
 from minfer.engine.model_runner import PreparedStep
 from minfer.engine.paged_kv import PagedStep, SequenceSlice
+from minfer.host_copy import to_device
 from minfer.layers.attention import attention_sdpa
 from minfer.models.llama import LlamaModel
 from minfer.sequence import Sequence
@@ -96,7 +97,7 @@ class DraftModelProposer(Proposer):
             feed += seq.token_ids_between(common, length)
             positions += range(common, length)
             last_row[i] = len(feed) - 1
-        logits = self._forward(torch.tensor(feed, device=self.device), positions, slices, last_row)
+        logits = self._forward(to_device(feed, self.device), positions, slices, last_row)
         guesses = [pick_guesses(logits, [seq for seq, _ in drafting], self.head_token_ids, self.vocab_size)]
         # guess j + 1 of every sequence that wants it, from its guess j: one row each, fed at position length + j - 1
         for j in range(1, drafting[0][1]):
@@ -122,8 +123,8 @@ class DraftModelProposer(Proposer):
                  logits_rows: list[int]) -> torch.Tensor:
         """Run one packed step through the draft; logits [len(logits_rows), vocab the draft scores] in float32."""
         paged = PagedStep(self.blocks.pool, slices, torch.tensor(positions), self.use_kernels)
-        step = PreparedStep(input_ids[None], torch.tensor([positions], device=self.device), paged,
-                            torch.tensor(logits_rows, dtype=torch.long, device=self.device))
+        step = PreparedStep(input_ids[None], to_device([positions], self.device), paged,
+                            to_device(logits_rows, self.device, torch.long))
         graphs = None if self.pool_graphs is None else self.pool_graphs.over(self.blocks.pool)
         served = graphs(step) if graphs is not None and graphs.serves(step) else None
         if served is not None:

@@ -32,6 +32,7 @@ import torch
 
 from minfer.engine.cuda_graphs import DecodeGraphs, GraphStep, Recorder, record_cuda_graph
 from minfer.engine.paged_kv import KVPool, PagedStep, SequenceSlice
+from minfer.host_copy import to_device
 from minfer.layers.attention import attention_sdpa
 from minfer.sequence import Sequence
 from minfer.speculative.batched_drafting import DraftPool, HeadStep, PoolGraphs, pick_guesses, proposals
@@ -130,7 +131,7 @@ class EagleProposer(Proposer):
             positions += range(first - state.start, newest - state.start)
             last_row[i] = len(positions) - 1
             state.rows = newest - state.start  # the rows run now are final (the target's features)
-        predicted, logits = self._forward(torch.cat(features), torch.tensor(ids, device=self.device), positions,
+        predicted, logits = self._forward(torch.cat(features), to_device(ids, self.device), positions,
                                           slices, last_row)
         seqs_in_order = [item[0] for item in drafting]
         guesses = [pick_guesses(logits, seqs_in_order, self.head.head_token_ids, self.vocab_size)]
@@ -149,8 +150,8 @@ class EagleProposer(Proposer):
                  slices: list[SequenceSlice], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """One packed step of the head: (predicted features [len(rows), hidden], logits [len(rows), head tokens])."""
         paged = PagedStep(self.blocks.pool, slices, torch.tensor(positions), self.use_kernels)
-        step = HeadStep(input_ids[None], torch.tensor([positions], device=self.device), paged,
-                        torch.tensor(rows, dtype=torch.long, device=self.device), hidden_layers=(), features=features[None])
+        step = HeadStep(input_ids[None], to_device([positions], self.device), paged,
+                        to_device(rows, self.device, torch.long), hidden_layers=(), features=features[None])
         graphs = None if self.pool_graphs is None else self.pool_graphs.over(self.blocks.pool)
         served = graphs(step) if graphs is not None and graphs.serves(step) else None
         if served is not None:
