@@ -99,26 +99,28 @@ def decode(llm: LLM, batch: int, steps: int, launch=None) -> tuple[float, list]:
 
 
 def measure(model: str, device: str, rounds: int, steps: int) -> list[dict]:
-    rows = []
-    worker = ThreadPoolExecutor(1) if device == "cpu" else None
-    for batch in BATCHES[model]:
-        with tempfile.TemporaryDirectory() as folder:
-            engines = {"synchronous": (make_llm(model, folder, device, batch, False), None),
-                       "async": (make_llm(model, folder, device, batch, True), None)}
-            if worker is not None:
-                engines["async, model on a thread"] = (make_llm(model, folder, device, batch, True),
-                                                       threaded_launch(worker))
-            best, tokens = {name: float("inf") for name in engines}, {}
-            for _ in range(rounds):
-                for name, (llm, launch) in engines.items():
-                    seconds, tokens[name] = decode(llm, batch, steps, launch)
-                    best[name] = min(best[name], seconds)
-        same = all(t == tokens["synchronous"] for t in tokens.values())
-        row = {"model": model, "sequences": batch, "same_tokens": same,
-               **{f"{name} ms": best[name] * 1e3 for name in engines}}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-    return rows
+    with ThreadPoolExecutor(1) as worker:
+        return [measure_batch(model, device, rounds, steps, batch, worker if device == "cpu" else None)
+                for batch in BATCHES[model]]
+
+
+def measure_batch(model: str, device: str, rounds: int, steps: int, batch: int,
+                  worker: Optional[ThreadPoolExecutor]) -> dict:
+    """One row: each engine's best median step time over `rounds` alternating rounds, and whether their tokens agree."""
+    with tempfile.TemporaryDirectory() as folder:
+        engines = {"synchronous": (make_llm(model, folder, device, batch, False), None),
+                   "async": (make_llm(model, folder, device, batch, True), None)}
+        if worker is not None:
+            engines["async, model on a thread"] = (make_llm(model, folder, device, batch, True), threaded_launch(worker))
+        best, tokens = {name: float("inf") for name in engines}, {}
+        for _ in range(rounds):
+            for name, (llm, launch) in engines.items():
+                seconds, tokens[name] = decode(llm, batch, steps, launch)
+                best[name] = min(best[name], seconds)
+    row = {"model": model, "sequences": batch, "same_tokens": all(t == tokens["synchronous"] for t in tokens.values()),
+           **{f"{name} ms": best[name] * 1e3 for name in engines}}
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def table(rows: list[dict]) -> str:
