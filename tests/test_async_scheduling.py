@@ -163,6 +163,8 @@ def test_launching_a_step_reads_nothing_back(tiny_llm, monkeypatch, temperature)
 def test_async_scheduling_refuses_what_needs_the_previous_token_on_the_host(tiny_llm):
     with pytest.raises(ValueError, match="async_scheduling works without speculative decoding"):
         tiny_llm(async_scheduling=True, speculative_model="[ngram]", num_speculative_tokens=3)
+    with pytest.raises(ValueError, match="with tensor_parallel_size=1"):
+        tiny_llm(async_scheduling=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="async_scheduling must be True or False"):
         tiny_llm(async_scheduling="yes")
     llm = tiny_llm(async_scheduling=True)
