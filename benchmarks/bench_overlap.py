@@ -30,10 +30,9 @@ sys.path.insert(0, str(ROOT))
 
 from minfer import LLM, SamplingParams  # noqa: E402
 from minfer.engine import engine as engine_module  # noqa: E402
-from minfer.engine.overlap import InFlightStep  # noqa: E402
+from minfer.engine.overlap import InFlightStep, run_step  # noqa: E402
 from minfer.lab.bench.common import machine_info  # noqa: E402
 from minfer.lab.bench.host import PROMPT_LEN, VOCAB, tiny_llm  # noqa: E402
-from minfer.layers.sampler import sample  # noqa: E402
 
 BATCHES = {"tiny": (1, 32, 256), "smollm2-135m": (1, 16)}
 
@@ -50,16 +49,12 @@ class ThreadedStep(InFlightStep):
 
 def threaded_launch(worker: ThreadPoolExecutor):
     """`minfer.engine.overlap.launch` with the model on `worker` (steps stay in order: one thread)."""
+    run = torch.inference_mode()(run_step)  # (a mode of the thread that runs it)
+
     def launch(runner, batch, previous: Optional[InFlightStep]) -> ThreadedStep:
         step = runner.prepare(batch)
         draws = runner.draws(step)
-
-        @torch.inference_mode()
-        def run():
-            logits, _ = runner.forward(step, previous.drawn if step.pending_rows is not None else None)
-            return logits, sample(logits[draws.rows], draws.settings) if draws.indices else None
-
-        return ThreadedStep(step, draws, worker.submit(run))
+        return ThreadedStep(step, draws, worker.submit(run, runner, step, draws, previous))
     return launch
 
 

@@ -250,17 +250,14 @@ class ModelRunner:
         logits, states = self.forward(step)
         hidden = ([(seq, s.context_len - s.query_len, states[s.query_start:s.query_start + s.query_len])
                    for seq, s in zip(step.seqs, step.paged.slices)] if keep_hidden else [])
-        tokens: list[Optional[int]] = [None] * len(step.sampled)
+        drawn = []
         if draws.indices:
             rows = logits[draws.rows]  # a copy: logprobs still see the raw logits
             grammars = [step.sampled[i][0].grammar for i in draws.indices]
             if mask_logits is not None and any(g is not None for g in grammars):
                 mask_logits(rows, grammars)
-            for i, token in zip(draws.indices, sample(rows, draws.settings).tolist()):
-                tokens[i] = token
-        num_tokens = step.paged.num_tokens
-        return StepOutput(step.sampled, tokens, step.scored, logits, num_tokens, step.input_ids.shape[1] - num_tokens,
-                          hidden)
+            drawn = sample(rows, draws.settings).tolist()
+        return step_output(step, draws, logits, drawn, hidden)
 
     def draws(self, step: PreparedStep) -> "Draws":
         """Who among step.sampled draws a plain next token (no drafts to verify), and with what settings.
@@ -288,6 +285,17 @@ class ModelRunner:
             states = self.model.hidden_states(step.input_ids, step.positions, step.paged, keep_layers=step.hidden_layers)[0]
             return self.model.logits(states[step.logits_indices, -self.model.config.hidden_size:]), states
         return self.model(step.input_ids, step.positions, step.paged, logits_indices=step.logits_indices)[0], None
+
+
+def step_output(step: PreparedStep, draws: "Draws", logits: torch.Tensor, drawn: list[int],
+                hidden: Optional[list] = None) -> StepOutput:
+    """A run step's StepOutput: drawn[i] is the next token of step.sampled[draws.indices[i]] (the others get None)."""
+    tokens: list[Optional[int]] = [None] * len(step.sampled)
+    for i, token in zip(draws.indices, drawn):
+        tokens[i] = token
+    num_tokens = step.paged.num_tokens
+    return StepOutput(step.sampled, tokens, step.scored, logits, num_tokens, step.input_ids.shape[1] - num_tokens,
+                      hidden or [])
 
 
 @dataclass

@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from minfer.engine.model_runner import Draws, ModelRunner, PreparedStep, StepOutput
+from minfer.engine.model_runner import Draws, ModelRunner, PreparedStep, StepOutput, step_output
 from minfer.layers.sampler import sample
 from minfer.sequence import Sequence
 
@@ -49,12 +49,14 @@ class InFlightStep:
 
     def result(self) -> StepOutput:
         """Its StepOutput, with the tokens on the host: the one device-to-host copy, which waits for this step only."""
-        tokens: list[Optional[int]] = [None] * len(self.step.sampled)
-        for i, token in zip(self.draws.indices, self.drawn.tolist() if self.drawn is not None else []):
-            tokens[i] = token
-        num_tokens = self.step.paged.num_tokens
-        return StepOutput(self.step.sampled, tokens, self.step.scored, self.logits, num_tokens,
-                          self.step.input_ids.shape[1] - num_tokens)
+        return step_output(self.step, self.draws, self.logits, self.drawn.tolist() if self.drawn is not None else [])
+
+
+def run_step(runner: ModelRunner, step: PreparedStep, draws: Draws, previous: Optional[InFlightStep]
+             ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """A prepared step's forward pass and draws, queued: (logits, the drawn token ids on the device or None)."""
+    logits, _ = runner.forward(step, previous.drawn if step.pending_rows is not None else None)
+    return logits, sample(logits[draws.rows], draws.settings) if draws.indices else None
 
 
 def launch(runner: ModelRunner, batch: list[tuple[Sequence, int]], previous: Optional[InFlightStep]) -> InFlightStep:
@@ -62,6 +64,4 @@ def launch(runner: ModelRunner, batch: list[tuple[Sequence, int]], previous: Opt
     whose draws are this step's inputs where sequences wait on them."""
     step = runner.prepare(batch)
     draws = runner.draws(step)
-    logits, _ = runner.forward(step, previous.drawn if step.pending_rows is not None else None)
-    drawn = sample(logits[draws.rows], draws.settings) if draws.indices else None
-    return InFlightStep(step, draws, logits, drawn)
+    return InFlightStep(step, draws, *run_step(runner, step, draws, previous))

@@ -72,10 +72,12 @@ class PoolGraphs:
     def __init__(self, make: Callable[[KVPool], DecodeGraphs]) -> None:
         self.make, self.graphs = make, None
 
-    def over(self, pool: KVPool) -> DecodeGraphs:
+    def serve(self, pool: KVPool, step: PreparedStep) -> Optional[tuple]:
+        """The step replayed over `pool` (graphs recorded anew if the pool grew): what `DecodeGraphs` returns, or
+        None where the graphs do not serve the step (it then runs eagerly)."""
         if self.graphs is None or self.graphs.pool is not pool:
             self.graphs = self.make(pool)
-        return self.graphs
+        return self.graphs(step) if self.graphs.serves(step) else None
 
 
 @dataclass

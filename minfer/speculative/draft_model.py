@@ -122,11 +122,11 @@ class DraftModelProposer(Proposer):
     def _forward(self, input_ids: torch.Tensor, positions: list[int], slices: list[SequenceSlice],
                  logits_rows: list[int]) -> torch.Tensor:
         """Run one packed step through the draft; logits [len(logits_rows), vocab the draft scores] in float32."""
-        paged = PagedStep(self.blocks.pool, slices, torch.tensor(positions), self.use_kernels)
-        step = PreparedStep(input_ids[None], to_device([positions], self.device), paged,
+        cpu_positions = torch.tensor(positions)
+        paged = PagedStep(self.blocks.pool, slices, cpu_positions, self.use_kernels)
+        step = PreparedStep(input_ids[None], to_device(cpu_positions[None], self.device), paged,
                             to_device(logits_rows, self.device, torch.long))
-        graphs = None if self.pool_graphs is None else self.pool_graphs.over(self.blocks.pool)
-        served = graphs(step) if graphs is not None and graphs.serves(step) else None
+        served = None if self.pool_graphs is None else self.pool_graphs.serve(self.blocks.pool, step)
         if served is not None:
             return served[0]
         return self.model(step.input_ids, step.positions, paged, logits_indices=step.logits_indices)[0]

@@ -149,11 +149,11 @@ class EagleProposer(Proposer):
     def _forward(self, features: torch.Tensor, input_ids: torch.Tensor, positions: list[int],
                  slices: list[SequenceSlice], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """One packed step of the head: (predicted features [len(rows), hidden], logits [len(rows), head tokens])."""
-        paged = PagedStep(self.blocks.pool, slices, torch.tensor(positions), self.use_kernels)
-        step = HeadStep(input_ids[None], to_device([positions], self.device), paged,
+        cpu_positions = torch.tensor(positions)
+        paged = PagedStep(self.blocks.pool, slices, cpu_positions, self.use_kernels)
+        step = HeadStep(input_ids[None], to_device(cpu_positions[None], self.device), paged,
                         to_device(rows, self.device, torch.long), hidden_layers=(), features=features[None])
-        graphs = None if self.pool_graphs is None else self.pool_graphs.over(self.blocks.pool)
-        served = graphs(step) if graphs is not None and graphs.serves(step) else None
+        served = None if self.pool_graphs is None else self.pool_graphs.serve(self.blocks.pool, step)
         if served is not None:
             logits, predicted = served
             return predicted[step.logits_indices], logits
