@@ -20,7 +20,8 @@ Steps, all on the CPU with fixed seeds, nothing downloaded:
      held-out prompts and to the speculative benchmark's chat questions is printed; weights saved in bf16.
 
 --data keeps the text and the features in a file, so that later runs (other settings, other layers) skip
-steps 1-3; --init starts from a saved head.
+steps 1-3; --init starts from a saved head (with --head-layers, the layers it lacks start as nothing: their
+output projections zero, so the grown head guesses as the saved one did until they learn).
 """
 from __future__ import annotations
 
@@ -126,6 +127,20 @@ def answer_agreement(head: EagleHead, target, answers, depth: int = 1) -> list[f
     return [h / max(n, 1) for h, n in zip(hits, total)]
 
 
+@torch.no_grad()
+def grown_head(saved: EagleHead, target, feature_layers: tuple[int, ...], num_layers: int) -> EagleHead:
+    """`saved` with more to learn: a new fuse starts as the last layer alone (`eagle_from_target`), new layers
+    as nothing (their output projections zero), so the grown head guesses exactly as the saved one did."""
+    if num_layers < len(saved.layers):
+        raise ValueError(f"--head-layers {num_layers}: the saved head has {len(saved.layers)} layers")
+    head = eagle_from_target(target, saved.head_token_ids, feature_layers, num_layers)
+    head.load_state_dict(saved.state_dict(), strict=saved.feature_layers == feature_layers and len(saved.layers) == num_layers)
+    for layer in head.layers[len(saved.layers):]:
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    return head
+
+
 def training_text(args, llm) -> dict:
     """The text the head learns from, the target's features over it, the head tokens, and the greedy
     answers its agreement is measured on (held-out prompts, the benchmark's chat questions)."""
@@ -186,6 +201,7 @@ def main(argv=None) -> int:
     parser.add_argument("--chain-lr", type=float, default=3e-4)
     parser.add_argument("--feature-layers", type=int, nargs="*", default=[],
                         help="EAGLE-3: earlier target layers the head reads besides the last (e.g. 2 15)")
+    parser.add_argument("--head-layers", type=int, default=1, help="decoder layers in the head")
     parser.add_argument("--init", help="start from this saved head (a folder written by this script, or the shipped name)")
     parser.add_argument("--data", help="a file that keeps the text and the target's features: written by the "
                                        "first run, read by the next ones with the same text settings (their "
@@ -220,12 +236,10 @@ def main(argv=None) -> int:
     rows, features, head_ids = data["rows"], data["features"], data["head_ids"]
     scale = features[:, : 64].float().abs().median().item()  # a typical channel's size (not the outliers')
 
-    if args.init:  # the saved head goes on learning, over its own head tokens; a new fuse starts as the last layer
-        saved = load_eagle(args.init, target)
-        head = eagle_from_target(target, saved.head_token_ids, layers)
-        head.load_state_dict(saved.state_dict(), strict=saved.feature_layers == layers)
+    if args.init:  # the saved head goes on learning, over its own head tokens
+        head = grown_head(load_eagle(args.init, target), target, layers, args.head_layers)
     else:
-        head = eagle_from_target(target, head_ids, layers)
+        head = eagle_from_target(target, head_ids, layers, args.head_layers)
     g = torch.Generator().manual_seed(args.seed)
 
     class Batches:  # re-shuffled every pass

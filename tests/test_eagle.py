@@ -1,8 +1,11 @@
 """The EAGLE draft head: it loads, it fits only its own target, and speculation with it stays lossless
 (greedy output equals plain decoding, with the shipped head and with a head that guesses garbage),
 through preemption, prefix-cache hits and aborts, with every sequence's state freed at the end."""
+import importlib.util
 import os
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from minfer.speculative import EagleProposer, make_proposer
 from minfer.speculative.eagle_head import EAGLE, EAGLE_DIR, eagle_from_target, load_eagle, save_eagle
 
 VOCAB = 512  # tiny_small_vocab_dir's
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def run_engine(llm, prompts, params, proposer=None, k=0, num_blocks=512, block_size=16, **kwargs):
@@ -56,10 +60,12 @@ def test_head_shapes_and_save_load_roundtrip(tiny, tmp_path):
 
 
 @torch.no_grad()
-def test_the_training_time_test_guesses_as_the_engine_does(tiny):
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_the_training_time_test_guesses_as_the_engine_does(tiny, num_layers):
     """ChainCache runs every chain's j-th guess in one call; the engine makes them one after another,
     each reading the guess before it, over a cache of the target's rows (EagleProposer)."""
-    head = random_head(tiny.model)
+    torch.manual_seed(0)
+    head = eagle_from_target(tiny.model, torch.arange(VOCAB - 1, -1, -1), num_layers=num_layers)
     features, ids = torch.randn(1, 9, 64), torch.randint(0, VOCAB, (1, 10))  # row t reads (f_t, token t+1)
     chains, depth = 9, 3
     together = chained_guesses(head, features, ids, depth)
@@ -70,6 +76,62 @@ def test_the_training_time_test_guesses_as_the_engine_does(tiny):
             if j:  # the next guess reads this chain's last predicted feature and the next true token
                 guess = head(guess, ids[:, t + j + 1:t + j + 2], torch.tensor([[t + j]]), steps)
             torch.testing.assert_close(together[j][:, t:t + 1], guess, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_the_engine_guesses_as_the_head_does(tiny, num_layers):
+    """Every proposal the engine makes (packed over sequences, paged K/V per layer of the head) is what the
+    head guesses for that sequence alone: its rows over the target's features, then each guess fed back."""
+    torch.manual_seed(0)
+    head = eagle_from_target(tiny.model, torch.arange(VOCAB - 1, -1, -1), num_layers=num_layers)
+    proposer = EagleProposer(head, VOCAB, block_size=4)
+    same, propose = [], proposer.propose
+
+    def checked(seqs, num_tokens):
+        made = propose(seqs, num_tokens)
+        for seq, k, (guesses, _) in zip(seqs, num_tokens, made):
+            if not guesses:
+                continue
+            state, newest = proposer.state[seq], seq.num_tokens - 1
+            cache, rows = KVCache(head.config, 1, 512), newest - state.start
+            feature = head(state.features[None, state.start:newest], torch.tensor([seq.token_ids_between(
+                state.start + 1, newest + 1)]), torch.arange(rows)[None], cache)[:, -1:]
+            wanted = []
+            for j in range(k):
+                token = head.head_token_ids[head.logits(feature).argmax(-1)]
+                wanted.append(token.item())
+                feature = head(feature, token, torch.tensor([[rows + j]]), cache)
+            same.append(list(guesses) == wanted)
+        return made
+
+    proposer.propose = checked
+    rng = random.Random(3)
+    prompts = [{"prompt_token_ids": [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]} for _ in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(4, 24), ignore_eos=True) for _ in prompts]
+    plain, _ = run_engine(tiny, prompts, params)
+    spec, engine = run_engine(tiny, prompts, params, proposer, 3, max_num_seqs=6, block_size=4)
+    assert spec == plain and len(same) > 10 and all(same)
+    assert proposer.blocks.pool.k.shape[0] == num_layers
+
+
+@torch.no_grad()
+def test_a_grown_head_starts_where_the_saved_one_was(tiny):
+    """train_eagle.py --init HEAD --head-layers 2: the added layer starts as nothing, then learns."""
+    spec = importlib.util.spec_from_file_location("train_eagle", BENCHMARKS / "train_eagle.py")
+    sys.path.insert(0, str(BENCHMARKS))  # it imports its sibling train_draft
+    try:
+        train_eagle = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(train_eagle)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    saved = random_head(tiny.model)
+    grown = train_eagle.grown_head(saved, tiny.model, (), 2)
+    features, ids, positions = torch.randn(1, 6, 64), torch.randint(0, VOCAB, (1, 6)), torch.arange(6)[None]
+    assert len(grown.layers) == 2
+    torch.testing.assert_close(grown(features, ids, positions), saved(features, ids, positions))
+    with pytest.raises(ValueError, match="the saved head has 2 layers"):
+        train_eagle.grown_head(grown, tiny.model, (), 1)
 
 
 def test_a_head_for_another_model_is_refused(tiny, llm, tmp_path):
@@ -93,7 +155,7 @@ def test_shipped_head_loads_and_is_small(llm):
     size = os.path.getsize(EAGLE_DIR / "model.safetensors")
     assert size <= 20 * 2**20
     head = load_eagle(EAGLE, llm.model)
-    assert head.layer.self_attn.num_kv_heads == 3 and head.fc.weight.shape == (576, 1152)
+    assert len(head.layers) == 1 and head.layers[0].self_attn.num_kv_heads == 3 and head.fc.weight.shape == (576, 1152)
     assert head.lm_head.weight.shape[0] == len(head.head_token_ids) < llm.config.vocab_size
 
 

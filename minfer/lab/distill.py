@@ -171,21 +171,22 @@ class ChainCache:
     guess reads its own predicted feature, not the target's, and attends to the rows built from the
     target's features plus the earlier guesses of its own chain. Passed as the head's KV cache for
     `depth` calls in a row, this object keeps each call's keys; call j's query for chain t (at position
-    t + j - 1) sees call 1's keys at positions <= t and the keys of calls 2..j for chain t alone. One
-    layer, one head: the keys of each call are kept whole."""
+    t + j - 1) sees call 1's keys at positions <= t and the keys of calls 2..j for chain t alone. The keys
+    of each call are kept whole, per layer of the head."""
 
     def __init__(self) -> None:
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
+        self.keys: dict[int, list[torch.Tensor]] = {}
+        self.values: dict[int, list[torch.Tensor]] = {}
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_fn: AttentionFn,
                mask: Optional[torch.Tensor]) -> torch.Tensor:
-        self.keys.append(k)
-        self.values.append(v)
+        keys, values = self.keys.setdefault(layer, []), self.values.setdefault(layer, [])
+        keys.append(k)
+        values.append(v)
         chains = q.shape[2]
         own_chain = torch.eye(chains, dtype=torch.bool, device=q.device)
-        visible = torch.cat([causal_mask(chains, chains, q.device)] + [own_chain] * (len(self.keys) - 1), dim=1)
-        return attention_fn(q, torch.cat(self.keys, dim=2), torch.cat(self.values, dim=2), visible[None, None])
+        visible = torch.cat([causal_mask(chains, chains, q.device)] + [own_chain] * (len(keys) - 1), dim=1)
+        return attention_fn(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), visible[None, None])
 
     def advance(self, num_tokens: int) -> None:
         pass

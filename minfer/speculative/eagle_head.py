@@ -1,10 +1,10 @@
-"""An EAGLE draft head: one decoder layer that reads the target's own features (Li et al., 2024).
+"""An EAGLE draft head: a decoder layer that reads the target's own features (Li et al., 2024).
 
 A draft model starts from tokens alone and must rebuild what the target knows; an EAGLE head starts
 from the target's last hidden state (the last decoder layer's output, before the final norm). At
 position t it reads that feature f_t and the embedding of the token at t+1, mixes them
 (fc: concat(embedding, feature), 2 x hidden -> hidden), runs one decoder layer of the target's shape
-and predicts the feature f_{t+1}. The target's final norm and its output head, restricted to the K
+(or num_layers of them) and predicts the feature f_{t+1}. The target's final norm and its output head, restricted to the K
 most frequent tokens (as the pruned draft's head), turn that into the next token's guess. To guess
 further, the head feeds its own predicted feature back in place of the target's.
 
@@ -17,7 +17,7 @@ next token alone. Only the target's rows are fused; the head's own guesses are a
     features = head(head.read_features(target_states), next_token_ids, positions, kv_cache)  # [batch, seq, hidden]
     logits = head.logits(features)          # [batch, seq, K]: head_token_ids maps them to target ids
 
-The file holds only fc, fuse and the layer (bfloat16): the embedding, the final norm and the K output rows
+The file holds only fc, fuse and the layers (bfloat16): the embedding, the final norm and the K output rows
 are the target's, taken at load time. `benchmarks/train_eagle.py` trains it.
 """
 from __future__ import annotations
@@ -37,22 +37,23 @@ from minfer.models.llama import DecoderLayer, LlamaModel, RMSNorm, RotaryEmbeddi
 
 EAGLE = "smollm2-135m-eagle"
 EAGLE_DIR = Path(__file__).resolve().parent.parent / "drafts" / EAGLE  # package data
-OWN_WEIGHTS = ("fc.", "fuse.", "layer.")  # what the file holds; the rest is the target's
+OWN_WEIGHTS = ("fc.", "fuse.", "layers.")  # what the file holds; the rest is the target's
 SHAPE_KEYS = ("hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size")
 
 
 class EagleHead(nn.Module):
-    def __init__(self, config: ModelConfig, num_head_tokens: int, feature_layers: tuple[int, ...] = ()) -> None:
-        """config: the target's; the head has one decoder layer of that shape. feature_layers: the target's
-        earlier decoder layers (0-based) it reads besides the last one."""
+    def __init__(self, config: ModelConfig, num_head_tokens: int, feature_layers: tuple[int, ...] = (),
+                 num_layers: int = 1) -> None:
+        """config: the target's; the head has num_layers decoder layers of that shape. feature_layers: the
+        target's earlier decoder layers (0-based) it reads besides the last one."""
         super().__init__()
-        self.config = replace(config, num_layers=1, sparse_layers=())
+        self.config = replace(config, num_layers=num_layers, sparse_layers=())
         hidden = config.hidden_size
         self.feature_layers = tuple(feature_layers)
         self.fuse = nn.Linear((len(feature_layers) + 1) * hidden, hidden, bias=False) if feature_layers else None
         self.embed_tokens = nn.Embedding(0, hidden)  # a placeholder: the target lends its own
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
-        self.layer = DecoderLayer(self.config, 0)
+        self.layers = nn.ModuleList(DecoderLayer(self.config, i) for i in range(num_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, num_head_tokens, bias=False)
         self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
@@ -69,9 +70,9 @@ class EagleHead(nn.Module):
         the predicted features at t+1 [batch, seq, hidden] (differentiable: training calls it too)."""
         x = self.fc(torch.cat([self.embed_tokens(input_ids), features.to(self.fc.weight.dtype)], dim=-1))
         rope = self.rope(positions, x.dtype)
-        layer = self.layer
-        x = x + layer.self_attn(layer.input_layernorm(x), rope, self.attention_fn, None, kv_cache, 0)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        for i, layer in enumerate(self.layers):
+            x = x + layer.self_attn(layer.input_layernorm(x), rope, self.attention_fn, None, kv_cache, i)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
         if kv_cache is not None:
             kv_cache.advance(input_ids.shape[1])
         return x
@@ -91,8 +92,9 @@ def _check_shape(meta: dict, target: LlamaModel, name: str) -> None:
 
 
 @torch.no_grad()
-def eagle_from_target(target: LlamaModel, head_token_ids: torch.Tensor, feature_layers: tuple[int, ...] = ()) -> EagleHead:
-    """A fresh head for `target` (its layer randomly initialised): the target's embedding (shared), its
+def eagle_from_target(target: LlamaModel, head_token_ids: torch.Tensor, feature_layers: tuple[int, ...] = (),
+                      num_layers: int = 1) -> EagleHead:
+    """A fresh head for `target` (its layers randomly initialised): the target's embedding (shared), its
     final norm (a copy) and its output rows for head_token_ids (a copy), all three frozen. fuse starts
     by passing the last layer's output through unchanged: a head trained on the last layer alone can go on
     learning from there."""
@@ -103,7 +105,10 @@ def eagle_from_target(target: LlamaModel, head_token_ids: torch.Tensor, feature_
     if not isinstance(target.lm_head, nn.Linear):
         raise ValueError("an EAGLE head copies the target's float output rows: use an unquantized target")
     weight = target.embed_tokens.weight
-    head = EagleHead(target.config, len(head_token_ids), feature_layers).to(device=weight.device, dtype=weight.dtype)
+    if num_layers < 1:
+        raise ValueError(f"an EAGLE head has at least one decoder layer, got num_layers={num_layers}")
+    head = EagleHead(target.config, len(head_token_ids), feature_layers, num_layers).to(device=weight.device,
+                                                                                      dtype=weight.dtype)
     if head.fuse is not None:
         hidden = target.config.hidden_size
         head.fuse.weight.zero_()
@@ -119,7 +124,8 @@ def eagle_from_target(target: LlamaModel, head_token_ids: torch.Tensor, feature_
 
 
 def save_eagle(head: EagleHead, folder: str | os.PathLike, meta: dict) -> None:
-    """Write fc, fuse and the layer in bfloat16, and the config (the shape, feature_layers, head_token_ids, `meta`)."""
+    """Write fc, fuse and the layers in bfloat16, and the config (the shape, num_layers, feature_layers,
+    head_token_ids, `meta`)."""
     from safetensors.torch import save_file
 
     os.makedirs(folder, exist_ok=True)
@@ -127,7 +133,7 @@ def save_eagle(head: EagleHead, folder: str | os.PathLike, meta: dict) -> None:
                if k.startswith(OWN_WEIGHTS)}
     save_file(tensors, os.path.join(folder, "model.safetensors"))
     config = {**{k: getattr(head.config, k) for k in SHAPE_KEYS}, "method": "eagle", **meta,
-              "feature_layers": list(head.feature_layers),
+              "num_layers": head.config.num_layers, "feature_layers": list(head.feature_layers),
               "head_token_ids": head.head_token_ids.tolist()}
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)
@@ -152,7 +158,7 @@ def load_eagle(name_or_path: str, target: LlamaModel) -> EagleHead:
     meta = json.loads((folder / "config.json").read_text())
     _check_shape(meta, target, name_or_path)
     head = eagle_from_target(target, torch.tensor(meta["head_token_ids"], dtype=torch.long),
-                             tuple(meta.get("feature_layers", ())))
+                             tuple(meta.get("feature_layers", ())), meta.get("num_layers", 1))
     tensors = load_file(str(folder / "model.safetensors"))
     own = {k for k in head.state_dict() if k.startswith(OWN_WEIGHTS)}
     if set(tensors) != own:
