@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 from minfer import LLM, SamplingParams  # noqa: E402
 from minfer.engine import engine as engine_module  # noqa: E402
 from minfer.engine.overlap import InFlightStep, run_step  # noqa: E402
+from minfer.host_copy import to_host  # noqa: E402
 from minfer.lab.bench.common import machine_info  # noqa: E402
 from minfer.lab.bench.host import PROMPT_LEN, VOCAB, tiny_llm  # noqa: E402
 
@@ -45,6 +46,7 @@ class ThreadedStep(InFlightStep):
 
     logits = property(lambda self: self.done.result()[0])
     drawn = property(lambda self: self.done.result()[1])
+    tokens = property(lambda self: None if self.drawn is None else to_host(self.drawn))
 
 
 def threaded_launch(worker: ThreadPoolExecutor):

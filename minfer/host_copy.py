@@ -1,4 +1,4 @@
-"""Host data onto the device without making the host wait for the device.
+"""Host data onto the device, and results back, without making the host wait for more than it needs.
 
 A plain copy from ordinary (pageable) host memory to a GPU, `torch.tensor(values, device="cuda")` or
 `tensor.to("cuda")`, returns only once every kernel queued before it on the stream has run: the GPU's
@@ -8,6 +8,11 @@ wait for the step before, and nothing could overlap (`minfer.engine.overlap`).
 
 Staged in pinned (page-locked) memory instead, the copy is queued like a kernel (`non_blocking=True`) and
 the host goes on at once. PyTorch's pinned-memory cache keeps the staging buffer until the copy has run.
+
+The way back has the same trap. `tensor.tolist()` on a GPU tensor waits for everything queued on the stream, so
+reading step n's tokens after step n + 1 was launched would wait for step n + 1 too. `to_host` queues the copy
+into pinned memory right behind the kernels that make the tensor, with an event after it; `HostCopy.wait` then
+waits for that event alone.
 """
 from __future__ import annotations
 
@@ -26,3 +31,27 @@ def to_device(data: Union[torch.Tensor, Sequence], device: Union[str, torch.devi
     if torch.device(device).type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+class HostCopy:
+    """A device tensor on its way to the host (`to_host`): `wait()` returns the host tensor once it has arrived."""
+
+    def __init__(self, host: torch.Tensor, done: Optional["torch.cuda.Event"]) -> None:
+        self.host, self.done = host, done
+
+    def wait(self) -> torch.Tensor:
+        if self.done is not None:
+            self.done.synchronize()  # this copy's event: the work queued after it does not count
+        return self.host
+
+
+def to_host(tensor: torch.Tensor) -> HostCopy:
+    """Start copying `tensor` to the host behind the work queued so far, without waiting: on CUDA into pinned memory
+    with an event; elsewhere a copy made now (the CPU computed the tensor already)."""
+    if tensor.device.type != "cuda":
+        return HostCopy(tensor.detach().clone(), None)
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return HostCopy(host, done)

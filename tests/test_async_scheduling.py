@@ -9,6 +9,8 @@ import torch
 
 from minfer import SamplingParams
 from minfer.engine import engine as engine_module
+from minfer.engine import overlap
+from minfer.engine.model_runner import ModelRunner
 from minfer.lab.host_sync import DeviceCopies, HostReads
 from minfer.sampling_params import StructuredOutputsParams
 
@@ -160,6 +162,91 @@ def test_launching_a_step_reads_nothing_back(tiny_llm, monkeypatch, temperature)
     assert any(step.step.pending_rows is not None for step in launches)  # inputs taken from a step in flight
 
 
+def test_reading_a_step_reads_only_its_own_copy_to_the_host(tiny_llm, monkeypatch):
+    """A step's tokens are read from the copy its launch queued (`to_host`: on a GPU it waits for that step
+    alone), never from the device tensor (a read that would also wait for the step launched after it)."""
+    read, result = [], overlap.InFlightStep.result
+
+    def recorded(step):
+        with HostReads() as host_reads:
+            output = result(step)
+        read.append((step, host_reads.tensors))
+        return output
+
+    monkeypatch.setattr(overlap.InFlightStep, "result", recorded)
+    prompts, _ = workload(seed=4)
+    tiny_llm(async_scheduling=True).generate(prompts[:4], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert len(read) >= 6
+    for step, tensors in read:
+        assert tensors and all(t is step.tokens.host for t in tensors)
+
+
+def test_a_launch_that_raises_leaves_the_step_in_flight_to_be_read(tiny_llm, monkeypatch):
+    """One forward pass raises (a transient out-of-memory, say); the caller goes on stepping: every request ends
+    with the tokens of a run without the failure, and every block comes back."""
+    prompts, _ = workload(seed=5)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    clean = tiny_llm(async_scheduling=True).generate(prompts[:3], params, use_tqdm=False)
+    forward, calls, errors = ModelRunner.forward, [0], []
+
+    def flaky(runner, step, drawn_before=None):
+        calls[0] += 1
+        if calls[0] == 4:
+            raise RuntimeError("out of memory")
+        return forward(runner, step, drawn_before)
+
+    monkeypatch.setattr(ModelRunner, "forward", flaky)
+    llm = tiny_llm(async_scheduling=True, num_gpu_blocks_override=64)
+    request_ids = [llm.add_request(prompt, params) for prompt in prompts[:3]]
+    finals = {}
+    for _ in range(40):
+        if not llm.engine.has_unfinished_requests():
+            break
+        try:
+            finals.update((out.request_id, out) for out in llm.engine.step() if out.finished)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    assert errors == ["out of memory"]
+    assert [finals[r].outputs[0].token_ids for r in request_ids] == [o.outputs[0].token_ids for o in clean]
+    assert llm.engine.blocks.num_free_blocks == 64 and llm.engine.in_flight is None
+
+
+def test_a_request_whose_prompt_scoring_fails_fails_alone(tiny_llm, monkeypatch):
+    """Scoring a prompt's chunk raises: that request ends with "error" even though its next chunk is already in
+    flight; the request beside it is unaffected."""
+    logprobs_of = engine_module.logprobs_of
+
+    def broken(logits, token_ids, num_top, tokenizer):
+        if len(token_ids) > 1:  # prompt scoring (a sampled token's logprobs come one row at a time)
+            raise RuntimeError("scoring failed")
+        return logprobs_of(logits, token_ids, num_top, tokenizer)
+
+    monkeypatch.setattr(engine_module, "logprobs_of", broken)
+    llm = tiny_llm(async_scheduling=True, max_num_batched_tokens=32, num_gpu_blocks_override=64)
+    fine = llm.add_request({"prompt_token_ids": list(range(200, 210))}, SamplingParams(max_tokens=8, temperature=0))
+    scored = llm.add_request({"prompt_token_ids": list(range(300, 400))},
+                             SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=1))
+    finals = {}
+    while llm.engine.has_unfinished_requests():
+        finals.update((out.request_id, out) for out in llm.engine.step() if out.finished)
+    assert finals[scored].outputs[0].finish_reason == "error"
+    assert finals[fine].outputs[0].finish_reason == "length" and len(finals[fine].outputs[0].token_ids) == 8
+    assert llm.engine.blocks.num_free_blocks == 64
+
+
+def test_an_engine_with_nothing_left_holds_no_step(tiny_llm):
+    """A stop token ends the last request while its next row is in flight: that row is read before generate
+    returns, so the engine reports nothing unfinished and holds no step."""
+    prompt = {"prompt_token_ids": list(range(1000, 1012))}
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    tokens = tiny_llm().generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    llm = tiny_llm(async_scheduling=True)
+    out = llm.generate(prompt, dataclasses.replace(params, stop_token_ids=[tokens[3]]), use_tqdm=False)[0]
+    ids = out.outputs[0].token_ids
+    assert out.outputs[0].finish_reason == "stop" and ids == tokens[:len(ids)] and len(ids) < len(tokens)
+    assert llm.engine.in_flight is None and not llm.engine.has_unfinished_requests()
+
+
 def test_async_scheduling_refuses_what_needs_the_previous_token_on_the_host(tiny_llm):
     with pytest.raises(ValueError, match="async_scheduling works without speculative decoding"):
         tiny_llm(async_scheduling=True, speculative_model="[ngram]", num_speculative_tokens=3)
@@ -193,3 +280,16 @@ def test_to_device_keeps_values_and_dtype():
     assert to_device(tensor, torch.device("cpu"), torch.float32).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
     if torch.cuda.is_available():  # pinned and queued, then the same values
         assert to_device(tensor, "cuda").cpu().tolist() == tensor.tolist()
+
+
+def test_to_host_is_a_copy_that_arrives():
+    from minfer.host_copy import to_host
+
+    tensor = torch.arange(6)
+    copy = to_host(tensor)
+    tensor += 1  # later work on the device does not reach the copy
+    assert copy.wait().tolist() == [0, 1, 2, 3, 4, 5]
+    if torch.cuda.is_available():
+        on_device = torch.arange(6, device="cuda")
+        copy = to_host(on_device)
+        assert copy.host.is_pinned() and copy.wait().tolist() == [0, 1, 2, 3, 4, 5]

@@ -39,6 +39,7 @@ from minfer.engine.overlap import InFlightStep, launch
 from minfer.engine.scheduler import Scheduler
 from minfer.engine.snapshot import EngineSnapshot, take_snapshot
 from minfer.engine.structured_output import StructuredOutputs
+from minfer.host_copy import to_host
 from minfer.logprobs import logprobs_of
 from minfer.models.llama import LlamaModel
 from minfer.models.moe import last_expert_load, moe_blocks
@@ -208,24 +209,38 @@ class Engine:
         """async_scheduling: schedule and launch the next step, then read the one in flight and report
         its outputs (minfer.engine.overlap)."""
         batch = self.scheduler.schedule()
-        previous, self.in_flight = self.in_flight, None
+        previous = self.in_flight
         if batch:
-            self.last_batch = batch
-            self.in_flight = launch(self.runner, batch, previous)
-            num_tokens = self.in_flight.step.paged.num_tokens
-            if self.moe_blocks:  # the routing's counts (on the device), taken before the next step routes
-                self.in_flight.expert_load = self._expert_load(num_tokens)
+            # a launch that raises changes nothing but the schedule (as a failed synchronous step): the step
+            # in flight stays in flight, to be read by the next call
+            launched = launch(self.runner, batch, previous)
+            self.in_flight, self.last_batch = launched, batch
+            num_tokens = launched.step.paged.num_tokens
+            if self.moe_blocks:  # the routing's counts, on their way to the host before the next step routes
+                launched.expert_load = to_host(self._expert_load(num_tokens))
             self._advance(batch, num_tokens)
-            for index, (seq, _) in enumerate(self.in_flight.step.sampled):
+            for index, (seq, _) in enumerate(launched.step.sampled):
                 seq.num_pending += 1
                 seq.pending_index = index
+        else:
+            self.in_flight = None
         if previous is None:
             if not batch and self.scheduler.has_unfinished():
                 raise RuntimeError("nothing could be scheduled although requests wait: the KV pool is too small")
             return []
-        output = previous.result()
-        if previous.expert_load is not None:
-            self.stats.record_expert_load(previous.expert_load)
+        outputs = self._read(previous)
+        if self.in_flight is not None and not self.scheduler.has_unfinished():
+            # only rows of sequences that have ended are in flight (a stop token's wasted row): read them now,
+            # so that an engine with nothing left to do holds no step
+            last, self.in_flight = self.in_flight, None
+            outputs += self._read(last)
+        return outputs
+
+    def _read(self, launched: InFlightStep) -> list[RequestOutput]:
+        """A launched step's tokens, read and reported (async_scheduling)."""
+        output = launched.result()
+        if launched.expert_load is not None:
+            self.stats.record_expert_load(launched.expert_load.wait())
         for seq, _ in output.sampled:
             seq.num_pending -= 1
         outputs = self._finish_step(output)
@@ -252,6 +267,9 @@ class Engine:
         requests whose scoring raised: each fails alone, once the step's tokens are counted."""
         at, failed = output.sampled[-1][1].stop if output.sampled else 0, []
         for seq, first, last in output.scored:
+            if seq.finished:  # (async scheduling) its request failed or was aborted while this step was in flight
+                at += last - first
+                continue
             try:
                 seq.prompt_logprobs += logprobs_of(output.logits[at:at + last - first],
                                                    seq.prompt_token_ids[first + 1:last + 1],

@@ -21,9 +21,14 @@ What makes that possible:
   max_tokens step n reaches is not scheduled (its length is known without its token).
 
 On a GPU, launching is queueing kernels: the host returns at once and the device runs the steps
-back to back, while the host reads step n's tokens (which waits for step n only) and works on them.
-For that, nothing in a launch may wait for the device: no value read back, and every input copied from
-pinned memory without blocking (`minfer.host_copy.to_device`); `tests/test_async_scheduling.py` checks both.
+back to back, while the host reads step n's tokens and works on them. For that, nothing in a launch may
+wait for the device: no value read back, and every input copied from pinned memory without blocking
+(`minfer.host_copy.to_device`); `tests/test_async_scheduling.py` checks both. And reading step n's tokens
+must wait for step n only: a plain read would also wait for step n + 1, queued before it on the same
+stream, and the device would sit idle while the host works. So a launch also queues the copy of its
+tokens to the host, with an event behind it (`minfer.host_copy.to_host`), and the read waits for that
+event. (Log-probabilities are read from the logits later, which does wait for the queue: a request that
+asks for them costs the overlap of the steps it is in.)
 On a CPU the model runs on the calling thread, so nothing overlaps there: the steps come out the same, in
 the same order, and a step costs what it costs synchronously (running the model on a second thread was
 measured slower; see docs/benchmarks.md). The CPU runs exactly the code that a GPU runs, which is what
@@ -36,20 +41,23 @@ from typing import Optional
 import torch
 
 from minfer.engine.model_runner import Draws, ModelRunner, PreparedStep, StepOutput, step_output
+from minfer.host_copy import HostCopy, to_host
 from minfer.layers.sampler import sample
 from minfer.sequence import Sequence
 
 
 class InFlightStep:
-    """A launched step: its inputs, and its logits and draws, on the device, being computed."""
+    """A launched step: its inputs, and its logits and draws, on the device, being computed; its tokens on their
+    way to the host."""
 
     def __init__(self, step: PreparedStep, draws: Draws, logits: torch.Tensor, drawn: Optional[torch.Tensor]) -> None:
         self.step, self.draws, self.logits, self.drawn = step, draws, logits, drawn
-        self.expert_load: Optional[torch.Tensor] = None  # a mixture of experts' routing in this step (the engine's)
+        self.tokens: Optional[HostCopy] = to_host(drawn) if drawn is not None else None
+        self.expert_load: Optional[HostCopy] = None  # a mixture of experts' routing in this step (the engine's)
 
     def result(self) -> StepOutput:
-        """Its StepOutput, with the tokens on the host: the one device-to-host copy, which waits for this step only."""
-        return step_output(self.step, self.draws, self.logits, self.drawn.tolist() if self.drawn is not None else [])
+        """Its StepOutput, with the tokens on the host: waits for this step's copy only."""
+        return step_output(self.step, self.draws, self.logits, self.tokens.wait().tolist() if self.tokens else [])
 
 
 def run_step(runner: ModelRunner, step: PreparedStep, draws: Draws, previous: Optional[InFlightStep]

@@ -17,12 +17,12 @@ import torch
 
 class HostReads:
     """Counts what reads tensor values into Python while active: .tolist(), .item(), int(), float(), bool().
-    `with HostReads() as reads: ...; reads.count`"""
+    `with HostReads() as reads: ...; reads.count`, and the tensors read, `reads.tensors`."""
 
     NAMES = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "numpy")
 
     def __init__(self) -> None:
-        self.count, self.saved = 0, {}
+        self.count, self.tensors, self.saved = 0, [], {}
 
     def __enter__(self):
         for name in self.NAMES:
@@ -30,6 +30,7 @@ class HostReads:
 
             def counted(tensor, *args, _original=original, **kwargs):
                 self.count += 1
+                self.tensors.append(tensor)
                 return _original(tensor, *args, **kwargs)
 
             setattr(torch.Tensor, name, counted)
