@@ -186,7 +186,14 @@ class LLM:
             raise ValueError(f"stream() generates one completion: n must be 1, got {params.n}")
         request_id = self.add_request(prompt, params)
         try:
-            while self.engine.has_unfinished_requests():
+            while True:
+                held = self._held_outputs.pop(request_id, None)  # it advanced in a step another caller ran
+                if held is not None:
+                    yield held
+                    if held.finished:
+                        return
+                if not self.engine.has_unfinished_requests():
+                    return
                 for output in self._step_for({request_id}):
                     yield output
                     if output.finished:
@@ -281,12 +288,12 @@ class LLM:
 
     # ------------------------------------------------------------------ internals
     def _add_all(self, requests: list[Request]) -> None:
-        """Queue checked requests; if the engine refuses one (it cannot fit the pool), take back the rest."""
+        """Queue checked requests; if the engine refuses one (it cannot fit the pool), take back those queued before it."""
         try:
             for index, request in enumerate(requests):
                 self.engine.add_request(request)
         except BaseException as exc:
-            for request in requests:
+            for request in requests[:index]:  # (not the refused one: its id may be another request's)
                 self.engine.abort_request(request.request_id)
             if isinstance(exc, ValueError):  # say which prompt of this call it was: request ids run across calls
                 raise ValueError(f"prompt {index}: {exc}") from None

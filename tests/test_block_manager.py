@@ -1,9 +1,12 @@
 """The paged KV block pool: allocation, growth, prefix sharing, eviction, and invariants under random use."""
+import subprocess
+import sys
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minfer.engine.block_manager import BlockManager, OutOfBlocks
+from minfer.engine.block_manager import BlockManager, OutOfBlocks, block_hash
 
 
 def test_allocate_grow_and_free():
@@ -159,3 +162,15 @@ def test_sealing_hashes_only_the_blocks_that_just_filled():
     at_once.seal_full_blocks(other, list(range(100)), 100)
     assert [bm.blocks[b].hash for b in table] == [at_once.blocks[b].hash for b in other]
     assert None not in [bm.blocks[b].hash for b in table]
+
+
+def test_block_names_do_not_collide_where_pythons_hash_does():
+    """Python's hash of an int is taken modulo 2**61 - 1: parents that differ by that would name the next block alike
+    (another prefix's keys and values served from the cache). The names are chained SHA-256, stable across runs."""
+    tokens, parent = (1, 2, 3, 4), block_hash((5, 6, 7, 8), None)
+    assert hash(parent) == hash(parent + 2**61 - 1)
+    assert block_hash(tokens, parent) != block_hash(tokens, parent + 2**61 - 1)
+    assert block_hash(tokens, None) != block_hash(tokens[::-1], None) and block_hash(tokens, None) < 2**128
+    code = "from minfer.engine.block_manager import block_hash; print(block_hash((1, 2, 3, 4), None))"
+    other_process = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(other_process.stdout) == block_hash(tokens, None)

@@ -123,6 +123,26 @@ def test_request_too_big_for_the_pool_is_rejected(tiny_llm):
     assert len(ok[0].outputs[0].token_ids) == 3 and small.engine.blocks.num_free_blocks == 4
 
 
+def test_a_request_made_by_hand_is_held_to_max_model_len_and_its_id(tiny_llm):
+    """The engine's own API checks what LLM checks (a Request built by hand beyond max_model_len would fail in the
+    middle of a step, with the others in it); a clash of ids refuses the newcomer and leaves the holder running."""
+    llm = tiny_llm(max_model_len=32, num_gpu_blocks_override=64, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    (long,) = llm._make_requests([{"prompt_token_ids": list(range(100, 130))}], [params])
+    long.seqs[0].max_tokens = 20  # what LLM would have cut to 2
+    with pytest.raises(ValueError, match="may reach 50 tokens .* more than max_model_len 32"):
+        llm.engine.add_request(long)
+    (holder,) = llm._make_requests([{"prompt_token_ids": [5] * 8}], [params])
+    llm.engine.add_request(holder)
+    llm._request_counter = int(holder.request_id)  # the next request LLM makes gets the holder's id
+    with pytest.raises(ValueError, match="already in use"):
+        llm.add_request({"prompt_token_ids": [7] * 6}, params)
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert holder.seqs[0].finish_reason == "length" and len(holder.seqs[0].output_ids) == 20
+    assert llm.engine.blocks.num_free_blocks == 64
+
+
 def test_bad_engine_arguments(tiny_llm):
     with pytest.raises(ValueError, match="block_size must be an integer >= 1"):
         tiny_llm(block_size=0)

@@ -136,6 +136,26 @@ def test_stream_and_generate_beside_queued_requests(llm):
     assert len([o for o in seen if o.finished]) == 1
 
 
+def test_streams_read_in_turn_each_end_with_their_own_last_output(llm):
+    """Two streams read in turn, with a generate() between their outputs: a request that finishes in a step
+    another caller ran still reaches its own stream, finished, with generate's tokens."""
+    params = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in (6, 2)]
+    streams = [llm.stream(PROMPTS[0], params[0]), llm.stream(PROMPTS[2], params[1])]
+    last = [next(stream) for stream in streams]
+    llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    live = [0, 1]
+    while live:
+        for i in list(live):
+            try:
+                last[i] = next(streams[i])
+            except StopIteration:
+                live.remove(i)
+    alone = llm.generate([PROMPTS[0], PROMPTS[2]], params, use_tqdm=False)
+    assert all(out.finished for out in last)
+    assert [out.outputs[0].token_ids for out in last] == token_ids(alone)
+    assert not llm.has_unfinished_requests() and llm.step() == []
+
+
 def test_token_id_prompts_and_request_fields(llm):
     ids = llm.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
     by_ids = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]

@@ -13,6 +13,8 @@ request can still find it.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
@@ -31,14 +33,18 @@ class Block:
     token_ids: tuple[int, ...] = field(default=())
 
 
-ROOT_HASH = 0x6D696E66  # the "parent" of a sequence's first block (hash(None) would change from run to run)
+ROOT_HASH = 0x6D696E66  # the "parent" of a sequence's first block
 
 
 def block_hash(token_ids: tuple[int, ...], parent_hash: Optional[int]) -> int:
-    """Names a full block by everything before it and its own tokens (None: the first block).
+    """Names a full block by everything before it and its own tokens (None: the first block): 128 bits of SHA-256.
 
-    Tuples of ints hash the same in every process, so the names are stable across runs."""
-    return hash((ROOT_HASH if parent_hash is None else parent_hash, token_ids))
+    Not Python's hash(): on a server shared by many clients, a name that one client could make collide on purpose
+    would hand it, or serve from it, another client's keys and values. A hit compares the block's own tokens, but
+    not the prefix before them: only the chained name stands for that."""
+    parent = (ROOT_HASH if parent_hash is None else parent_hash).to_bytes(16, "little")
+    digest = hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+    return int.from_bytes(digest[:16], "little")
 
 
 class BlockManager:

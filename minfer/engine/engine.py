@@ -122,6 +122,9 @@ class Engine:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         longest = max(len(s.prompt_token_ids) + s.max_tokens for s in request.seqs)
+        if longest > self.config.max_model_len:  # (LLM cuts max_tokens to fit; a Request made by hand may not)
+            raise ValueError(f"request {request.request_id} may reach {longest} tokens (prompt + max_tokens), more than "
+                             f"max_model_len {self.config.max_model_len}: lower max_tokens or shorten the prompt")
         p = request.seqs[0].params
         if self.proposer is not None and (p.logprobs is not None or p.prompt_logprobs is not None):
             raise ValueError("logprobs and prompt_logprobs are not supported with speculative decoding: "
