@@ -69,7 +69,9 @@ class SamplingParams:
     n: completions per prompt. temperature: 0 means greedy. top_p: keep the smallest set of
     tokens whose probability adds up to top_p. top_k: keep the k most likely (0 or -1: all).
     min_p: drop tokens below min_p x the top probability. seed: a private random stream for
-    this request (all 64 bits count), so its samples do not depend on what else is in the batch. stop: strings that
+    this request (all 64 bits count), so its samples do not depend on what else is in the batch (with speculative
+    decoding: while the scheduler keeps the request's drafts; when the others' load makes it cut them, to fit the
+    step's token budget or the free blocks, the tokens keep the model's distribution but may differ). stop: strings that
     end the output (not included unless include_stop_str_in_output). stop_token_ids: extra
     tokens that end it (a stopping token, like end-of-sequence, is in token_ids but not in the
     text unless include_stop_str_in_output). ignore_eos: keep going past the end-of-sequence token.

@@ -134,6 +134,25 @@ def test_a_grown_head_starts_where_the_saved_one_was(tiny):
         train_eagle.grown_head(grown, tiny.model, (), 1)
 
 
+@torch.no_grad()
+def test_features_take_room_as_the_sequence_grows(tiny):
+    """A sequence's feature buffer grows with it (doubling), not to prompt + max_tokens up front: memory the KV
+    budget does not count."""
+    proposer = EagleProposer(random_head(tiny.model), VOCAB)
+    engine = Engine(tiny.model, tiny.tokenizer, device="cpu", num_gpu_blocks_override=64, speculative_model=proposer,
+                    num_speculative_tokens=3)
+    (request,) = tiny._make_requests([{"prompt_token_ids": [3, 1, 4, 1, 5]}], [SamplingParams(max_tokens=400, ignore_eos=True)])
+    engine.add_request(request)
+    sizes = []
+    for _ in range(12):
+        engine.step()
+        sizes.append(len(proposer.state[request.seqs[0]].features))
+    seq = request.seqs[0]
+    assert sizes[0] < 16 and sizes[-1] < 2 * seq.num_tokens and sizes == sorted(sizes)
+    engine.abort_request(request.request_id)
+    assert not proposer.state
+
+
 def test_a_head_for_another_model_is_refused(tiny, llm, tmp_path):
     save_eagle(random_head(tiny.model), tmp_path / "head", {})
     with pytest.raises(ValueError, match=r"hidden_size 64.*this target has hidden_size 576"):

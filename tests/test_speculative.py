@@ -404,6 +404,16 @@ class KnownAlphaProposer(Proposer):
         return proposals
 
 
+def test_a_proposer_that_guesses_more_than_asked_is_stopped(tiny_llm):
+    class Eager(Proposer):
+        def propose(self, seqs, num_tokens):
+            return [([7] * (k + 1), None) for k in num_tokens]
+
+    llm = tiny_llm()
+    with pytest.raises(RuntimeError, match="Eager.propose gave 4 draft tokens for a sequence that asked for at most 3"):
+        run_engine(llm, [{"prompt_token_ids": [1, 2, 3]}], [SamplingParams(max_tokens=20, ignore_eos=True)], Eager(), 3)
+
+
 def test_engine_measures_the_alpha_of_a_synthetic_draft(tiny_llm):
     """Through the engine (greedy, 64 sequences at once): the spec stats' alpha recovers the draft's
     known alpha within 0.02 (over about 5800 accept-or-reject trials its sampling error is about 0.0065)."""
@@ -426,7 +436,9 @@ def test_engine_measures_the_alpha_of_a_synthetic_draft(tiny_llm):
 
 def test_seeded_sampling_with_speculation_is_reproducible(tiny_llm, tiny_small_vocab_dir):
     """A seeded request draws drafts, acceptances and resamples from its own generator: the same
-    tokens whatever shares the batch; its n completions differ from each other."""
+    tokens whatever shares the batch, as long as its drafts are not cut (here it is the oldest request, first to
+    the step's budget; a request whose drafts the others' load cuts keeps only the distribution); its n
+    completions differ from each other."""
     llm = tiny_llm(speculative_model=tiny_small_vocab_dir, num_speculative_tokens=3)
     perturb(llm.model, 20.0, 0.0, 0)
     perturb(llm.engine.proposer.model, 20.0, 0.1, 3)

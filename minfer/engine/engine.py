@@ -337,7 +337,10 @@ class Engine:
         start = time.perf_counter()
         proposals = self.proposer.propose(seqs, wanted)
         self.spec_stats.draft_time_s += time.perf_counter() - start
-        for seq, (tokens, probs) in zip(seqs, proposals):
+        for seq, k, (tokens, probs) in zip(seqs, wanted, proposals):
+            if len(tokens) > k:  # (past k a pass could run beyond max_tokens, and the context window)
+                raise RuntimeError(f"{type(self.proposer).__name__}.propose gave {len(tokens)} draft tokens for a "
+                                   f"sequence that asked for at most {k}")
             seq.spec_token_ids, seq.spec_draft_probs = list(tokens), probs
 
     def _accept_drafts(self, seq: Sequence, logits: torch.Tensor) -> None:

@@ -97,15 +97,18 @@ class EagleProposer(Proposer):
     @torch.inference_mode()
     def observe(self, seq: Sequence, first_position: int, hidden: torch.Tensor) -> None:
         hidden = self.head.read_features(hidden)  # EAGLE-3: several layers' outputs mixed into one feature
+        end = first_position + len(hidden)
         state = self.state.get(seq)
         if state is None:
-            length = len(seq.prompt_token_ids) + seq.max_tokens + 1  # every position a pass can reach
             weight = self.head.fc.weight
-            state = EagleState(torch.zeros(length, hidden.shape[-1], dtype=weight.dtype, device=weight.device),
+            state = EagleState(torch.zeros(0, hidden.shape[-1], dtype=weight.dtype, device=weight.device),
                                first_position)
             self.state[seq] = state
+        if end > len(state.features):  # room as the sequence grows, doubling: not its longest length up front
+            grown = state.features.new_zeros(max(end, 2 * len(state.features)), state.features.shape[1])
+            grown[:len(state.features)] = state.features
+            state.features = grown
         skip = max(0, state.start - first_position)  # positions before the head's first row are not needed
-        end = first_position + len(hidden)
         state.features[first_position + skip:end] = hidden[skip:]
 
     @torch.inference_mode()
