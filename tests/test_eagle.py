@@ -153,6 +153,24 @@ def test_features_take_room_as_the_sequence_grows(tiny):
     assert not proposer.state
 
 
+@torch.no_grad()
+def test_a_gap_in_the_features_restarts_the_head_after_it(tiny):
+    """Features 0..15 arrive, then 48..63 (a preempted sequence readmitted with a longer prefix-cache hit): the
+    head guesses from 48 on, as for a sequence whose first 48 tokens came from the cache, never from the rows
+    in between that no feature reached."""
+    head = random_head(tiny.model)
+    requests = tiny._make_requests([{"prompt_token_ids": list(range(1, 65))}] * 2,
+                                   [SamplingParams(temperature=0, max_tokens=8)] * 2)
+    gap, cached = (r.seqs[0] for r in requests)
+    states = tiny.model.hidden_states(torch.tensor([gap.token_ids]), torch.arange(64)[None])[0]
+    with_gap, from_cache = EagleProposer(head, VOCAB), EagleProposer(head, VOCAB)
+    with_gap.observe(gap, 0, states[:16])
+    with_gap.observe(gap, 48, states[48:])
+    from_cache.observe(cached, 48, states[48:])
+    assert with_gap.state[gap].start == 48
+    assert with_gap.propose([gap], [3])[0][0] == from_cache.propose([cached], [3])[0][0]
+
+
 def test_a_head_for_another_model_is_refused(tiny, llm, tmp_path):
     save_eagle(random_head(tiny.model), tmp_path / "head", {})
     with pytest.raises(ValueError, match=r"hidden_size 64.*this target has hidden_size 576"):

@@ -17,7 +17,8 @@ forgotten before the next proposal (their slots are overwritten), because the ta
 features replace them. On CUDA the steps replay as CUDA graphs (`EagleGraphs`).
 
 A prompt served from the prefix cache is not computed, so its features never arrive: the head then
-starts at the first position the target did compute (it guesses with less context, losslessly).
+starts at the first position the target did compute (it guesses with less context, losslessly). So it
+does after a gap (a preempted sequence readmitted with a longer prefix-cache hit than before).
 Preemption recomputes a sequence: its features are rewritten, the head's rows stay valid (the tokens
 did not change). Sampling follows the draft model's rules (`draft_model.py`): the request's own
 settings, its generator, and the distribution q handed to the verifier; greedy returns no q.
@@ -46,6 +47,7 @@ class EagleState:
 
     features: torch.Tensor  # [positions, hidden]: the target's feature at each computed position
     start: int  # the first position whose feature arrived (later than 0 after a prefix-cache hit)
+    known: int  # features start..known-1 have arrived
     block_table: list[int] = field(default_factory=list)  # the head's rows for positions start, start+1, ...
     rows: int = 0  # rows in the pool built from the target's features (the rest were guesses)
 
@@ -99,10 +101,13 @@ class EagleProposer(Proposer):
         hidden = self.head.read_features(hidden)  # EAGLE-3: several layers' outputs mixed into one feature
         end = first_position + len(hidden)
         state = self.state.get(seq)
-        if state is None:
+        if state is None or first_position > state.known:
+            # new, or a gap: a preempted sequence readmitted with a longer prefix-cache hit than before, whose
+            # features in between never arrive. The head starts again after it, as after a prefix-cache hit.
+            self.release(seq)
             weight = self.head.fc.weight
             state = EagleState(torch.zeros(0, hidden.shape[-1], dtype=weight.dtype, device=weight.device),
-                               first_position)
+                               first_position, first_position)
             self.state[seq] = state
         if end > len(state.features):  # room as the sequence grows, doubling: not its longest length up front
             grown = state.features.new_zeros(max(end, 2 * len(state.features)), state.features.shape[1])
@@ -110,6 +115,7 @@ class EagleProposer(Proposer):
             state.features = grown
         skip = max(0, state.start - first_position)  # positions before the head's first row are not needed
         state.features[first_position + skip:end] = hidden[skip:]
+        state.known = max(state.known, end)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
