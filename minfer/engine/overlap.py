@@ -57,7 +57,8 @@ class InFlightStep:
 
     def result(self) -> StepOutput:
         """Its StepOutput, with the tokens on the host: waits for this step's copy only."""
-        return step_output(self.step, self.draws, self.logits, self.tokens.wait().tolist() if self.tokens else [])
+        tokens = self.tokens  # (read once: the benchmark's threaded step makes it on demand)
+        return step_output(self.step, self.draws, self.logits, tokens.wait().tolist() if tokens is not None else [])
 
 
 def run_step(runner: ModelRunner, step: PreparedStep, draws: Draws, previous: Optional[InFlightStep]

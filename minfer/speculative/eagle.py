@@ -105,11 +105,9 @@ class EagleProposer(Proposer):
             # new, or a gap: a preempted sequence readmitted with a longer prefix-cache hit than before, whose
             # features in between never arrive. The head starts again after it, as after a prefix-cache hit.
             self.release(seq)
-            weight = self.head.fc.weight
-            state = EagleState(torch.zeros(0, hidden.shape[-1], dtype=weight.dtype, device=weight.device),
-                               first_position, first_position)
+            state = EagleState(self.head.fc.weight.new_zeros(end, hidden.shape[-1]), first_position, first_position)
             self.state[seq] = state
-        if end > len(state.features):  # room as the sequence grows, doubling: not its longest length up front
+        elif end > len(state.features):  # room as the sequence grows, doubling: not its longest length up front
             grown = state.features.new_zeros(max(end, 2 * len(state.features)), state.features.shape[1])
             grown[:len(state.features)] = state.features
             state.features = grown
